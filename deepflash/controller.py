@@ -1,0 +1,73 @@
+"""Adaptive speculation: speculate while it pays, fall back to plain bursts when it does not.
+
+Speculation pays when (tokens committed per spec step) x t_plain / t_spec > 1. The controller keeps
+exponential averages of those three from measured steps; below break-even minus a margin it runs a
+plain burst, then probes speculation again. Features are captured during plain steps too, so a probe
+drafts with the full context. Consecutive failed probes double the burst (up to 8x) so that a drafter
+that never pays costs almost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SpecController:
+    mode: str = "auto"  # auto | on | off
+    margin: float = 0.05
+    burst: int = 40  # plain tokens between probes
+    alpha: float = 0.3  # EMA weight of the newest step
+    min_spec_steps: int = 2  # measured spec steps before a verdict
+    max_backoff: int = 8
+    al: float | None = None
+    t_spec: float | None = None
+    t_plain: float | None = None
+    plain_left: int = 0
+    spec_seen: int = 0
+    failed_probes: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "on", "off"):
+            raise ValueError(f"spec mode must be auto, on or off, got {self.mode!r}")
+
+    def new_request(self) -> None:
+        """Acceptance is a property of the text: start each request speculating; step costs carry over."""
+        self.al = None
+        self.plain_left = self.spec_seen = self.failed_probes = 0
+
+    def use_spec(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        if self.plain_left > 0:
+            return False
+        if self.t_plain is None and self.spec_seen >= self.min_spec_steps:
+            self.plain_left = 1  # one plain step to learn its cost
+            return False
+        return True
+
+    def record_spec(self, committed: int, seconds: float) -> None:
+        self.al = self._ema(self.al, committed)
+        self.t_spec = self._ema(self.t_spec, seconds)
+        self.spec_seen += 1
+        if self.mode == "auto" and self.spec_seen >= self.min_spec_steps and self.t_plain is not None:
+            if self.speedup() < 1 - self.margin:
+                self.plain_left = self.burst * min(2**self.failed_probes, self.max_backoff)
+                self.failed_probes += 1
+                self.spec_seen = 0  # the next probe is judged on fresh steps
+                self.al = self.t_spec = None
+            else:
+                self.failed_probes = 0
+
+    def record_plain(self, seconds: float) -> None:
+        self.t_plain = self._ema(self.t_plain, seconds)
+        self.plain_left = max(0, self.plain_left - 1)
+
+    def speedup(self) -> float:
+        """Estimated tokens/s of speculation over plain decoding."""
+        if not (self.al and self.t_spec and self.t_plain):
+            return 1.0
+        return self.al * self.t_plain / self.t_spec
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new

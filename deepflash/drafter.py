@@ -1,0 +1,285 @@
+"""The DFlash drafter (REFERENCE 1) and its per-layer context K/V cache.
+
+The drafter has no embedding or LM head of its own: a block [last token, MASK x (B-1)] is embedded with
+the target's table, runs through a few Qwen3-style layers whose attention also sees the fused target
+features ("context") as extra keys/values, and is projected with the target's lm_head. Output k of the
+block proposes the token at position start + k (same-position, not shifted); drafts are argmaxes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import DrafterConfig, ModelConfig
+from .errors import NotFound, UserError
+from .features import ring_runs
+from .models.layers import MLP, RMSNorm, Rotary, apply_rotary
+
+
+def attend(q, k, v, mask):
+    """Attention with an explicit boolean mask (SDPA) or a flex_attention BlockMask (training on CUDA)."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from .train.flex import flex_attend
+
+    return flex_attend(q, k, v, mask)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x, cos, sin):
+        """K (k_norm, rope at its own positions) and V of rows x [b, n, H] -> [b, Hkv, n, D] each."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim))
+        k = apply_rotary(k, cos, sin)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """Queries from the block only; keys/values = [context, block] (KV injection)."""
+        b, t, _ = x.shape
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)), cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        out = attend(q.transpose(1, 2), torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names are the z-lab checkpoint names (no `model.` prefix, no embed / lm_head)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        n_taps = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated tap-layer features [..., n_taps * H] -> context rows [..., H], shared by all layers."""
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context K/V of fused rows ctx [b, n, H] at absolute positions [n]."""
+        cos, sin = self.rotary(positions, ctx.dtype)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, x, positions, ctx_kv, masks) -> torch.Tensor:
+        """x [b, T, H] block embeddings at positions [T]; ctx_kv and masks per layer. Returns normed hidden."""
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, (k, v), mask in zip(self.layers, ctx_kv, masks):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = lm_head(hidden.to(lm_head.weight.dtype))
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def block_embeddings(self, embed: nn.Module, block: torch.Tensor) -> torch.Tensor:
+        x = embed(block).to(self.dtype)
+        scale = self.cfg.input_embedding_scale
+        return x * scale if scale != 1.0 else x
+
+    # --- cost accounting -------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def context_kv_bytes_per_token(self) -> int:
+        cfg = self.cfg
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+
+def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Visibility of block keys to block queries (both absolute positions): bidirectional, or causal,
+    limited to |q - k| < window for sliding layers (the reference's rule)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    visible = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if window is not None:
+        visible &= diff < window
+        if not causal:
+            visible &= -diff < window
+    return visible
+
+
+class DrafterContext:
+    """Each drafter layer's K/V of the committed context, in a position-tagged ring (slot = pos % cap).
+
+    Full-attention layers hold the whole feature window; sliding layers only their attention window.
+    Only committed positions are ever appended; the block's own K/V is computed per draft and dropped.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, window: int):
+        cfg = drafter.cfg
+        self.drafter = drafter
+        self.window = window
+        self.caps = [min(window, cfg.layer_window(i) or window) for i in range(cfg.num_layers)]
+        shape = (1, cfg.num_kv_heads, 0, cfg.head_dim)
+        dev, dt = drafter.device, drafter.dtype
+        self.k = [torch.zeros(shape[:2] + (cap,) + shape[3:], device=dev, dtype=dt) for cap in self.caps]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.tags = [torch.full((cap,), -1, dtype=torch.int64, device=dev) for cap in self.caps]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v))
+
+    def reset(self) -> None:
+        for tags in self.tags:
+            tags.fill_(-1)
+
+    def append(self, start: int, features: torch.Tensor) -> None:
+        """Features [n, F] of committed positions [start, start + n) -> fused -> each layer's K/V."""
+        n = features.shape[0]
+        positions = torch.arange(start, start + n, device=self.drafter.device)
+        kv = self.drafter.context_kv(self.drafter.fuse(features)[None], positions)
+        for i, (k, v) in enumerate(kv):
+            skip = n - min(n, self.caps[i])  # a run longer than the ring keeps its newest rows
+            self._write(i, start + skip, positions[skip:], k[:, :, skip:], v[:, :, skip:])
+
+    def _write(self, layer: int, first: int, positions, k, v) -> None:
+        for lo, hi, src in ring_runs(first, positions.shape[0], self.caps[layer]):
+            self.k[layer][:, :, lo:hi] = k[:, :, src : src + hi - lo]
+            self.v[layer][:, :, lo:hi] = v[:, :, src : src + hi - lo]
+            self.tags[layer][lo:hi] = positions[src : src + hi - lo]
+
+    def rebuild(self, start: int, features: torch.Tensor) -> None:
+        """Start over from the mirror's context (window change, restore, drafter swap)."""
+        self.reset()
+        if features.shape[0]:
+            self.append(start, features)
+
+    def masks(self, start: int, size: int) -> list[torch.Tensor]:
+        """Per layer [size, cap + size]: context slots holding a committed position the query may see,
+        then the block's own keys."""
+        cfg = self.drafter.cfg
+        q_pos = torch.arange(start, start + size, device=self.drafter.device)
+        out = []
+        for i, tags in enumerate(self.tags):
+            window = cfg.layer_window(i)
+            ctx = (tags >= 0)[None, :].expand(size, -1)
+            if window is not None:
+                ctx = ctx & (q_pos[:, None] - tags[None, :] < window)
+            out.append(torch.cat([ctx, block_mask(q_pos, q_pos, cfg.layer_is_causal(i), window)], dim=1))
+        return out
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.k, self.v))
+
+
+@torch.no_grad()
+def propose(drafter: DFlashDrafter, target, context: DrafterContext, last_token: torch.Tensor, start: int,
+            size: int) -> torch.Tensor:
+    """Draft tokens for positions start+1 .. start+size-1 (argmax), from block [last, MASK x (size-1)]."""
+    block = torch.full((1, size), drafter.cfg.mask_token_id, dtype=torch.long, device=drafter.device)
+    block[0, 0] = last_token
+    x = drafter.block_embeddings(target.model.embed_tokens, block)
+    positions = torch.arange(start, start + size, device=drafter.device)
+    hidden = drafter(x, positions, context.kv(), context.masks(start, size))
+    return drafter.logits(hidden[0, 1:], target.lm_head).argmax(dim=-1)
+
+
+# --- checkpoints (z-lab format) ---------------------------------------------------------------------------
+def save_drafter(drafter: DFlashDrafter, folder: Path | str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(drafter.cfg.to_hf() | {"torch_dtype": str(dtype)[6:]}, indent=2))
+    return folder
+
+
+def resolve_drafter(spec: str) -> Path:
+    from .weights import hub_snapshot
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"drafter folder {path} has no config.json")
+        return path
+    if path.exists():
+        raise UserError(f"drafter {path} must be a folder with config.json and safetensors")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return hub_snapshot(spec)
+    raise NotFound(f"no such drafter: {spec}")
+
+
+def load_drafter(spec: str | Path, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+    from .weights import safetensors_files
+
+    folder = resolve_drafter(str(spec))
+    cfg = DrafterConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    state = {}
+    for file in safetensors_files(folder):
+        state.update(load_file(str(file)))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg).to(dtype)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise UserError(f"drafter checkpoint {folder} does not match its config: missing {sorted(missing)[:5]}, "
+                        f"unexpected {sorted(unexpected)[:5]}")
+    drafter.rotary.reset_buffers(device)
+    return drafter.eval().requires_grad_(False)
+
+
+def validate_pair(cfg: DrafterConfig, target: ModelConfig, block_size: int | None = None) -> None:
+    """Refuse a drafter that was not made for this target, naming the mismatch."""
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+    if cfg.num_target_layers and cfg.num_target_layers != target.num_layers:
+        problems.append(f"trained for a {cfg.num_target_layers}-layer target, this one has {target.num_layers}")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        problems.append(f"mask token {cfg.mask_token_id} outside the target's vocabulary of {target.vocab_size}")
+    if cfg.vocab_size and cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {cfg.vocab_size} != target's {target.vocab_size}")
+    if cfg.block_size < 1:
+        problems.append(f"block size {cfg.block_size} < 1")
+    if block_size is not None and not 1 <= block_size <= cfg.block_size:
+        problems.append(f"--block-size {block_size} must be between 1 and the drafter's {cfg.block_size}")
+    if problems:
+        raise UserError("drafter does not fit this target: " + "; ".join(problems))

@@ -1,0 +1,44 @@
+"""Static, preallocated KV cache for attention layers.
+
+Slot == absolute position. A forward at positions [p, p+T) writes slots p..p+T-1 and attends with a
+causal mask over slots < kv_len, so whatever sits past the newest position is never read. Rolling
+back to length n is therefore free: the caller simply continues at position n. That is what lets a
+verify forward write B speculative rows and keep only the accepted prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, Hkv, T, D] for the T given positions."""
+        self.k[layer].index_copy_(2, positions, k)
+        self.v[layer].index_copy_(2, positions, v)
+
+    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+    def keep(self, kept: int) -> None:
+        """Of the last forward's tokens keep the first `kept`. Attention rows need nothing (see module doc);
+        recurrent caches of hybrid models override this."""
+
+
+def causal_mask(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [T, kv_len] (or [B, 1, T, kv_len] with a per-row key mask for left-padded batches)."""
+    mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+    if key_mask is None:
+        return mask
+    return mask[None, None] & key_mask[:, None, None, :kv_len]

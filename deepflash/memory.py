@@ -1,0 +1,108 @@
+"""Memory plan: bytes by component for a model pair and its settings, and the largest context that fits.
+
+Sizes come from the models' own cost accounting; models can be built on the meta device, so a plan
+for a large pair costs no memory and reads no weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .features import drafter_window
+from .quant import row_format
+
+TAG_BYTES = 8  # int64 position tag per ring slot
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    max_ctx: int
+    window: int | None
+    feature_dtype: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def to_json(self) -> dict:
+        return {"max_ctx": self.max_ctx, "window": self.window, "feature_dtype": self.feature_dtype,
+                "parts": self.parts, "total": self.total}
+
+    def table(self) -> str:
+        lines = [f"memory plan: max_ctx {self.max_ctx}, feature window {self.window}, features {self.feature_dtype}"]
+        lines += [f"  {name:<22} {mib(n):>10.1f} MiB" for name, n in self.parts.items()]
+        lines.append(f"  {'total':<22} {mib(self.total):>10.1f} MiB")
+        return "\n".join(lines)
+
+
+def mib(n: int) -> float:
+    return n / 2**20
+
+
+def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", feat_ring_cap: int | None = None,
+                trained_ctx: int | None = None, block_size: int | None = None, prefill_chunk: int = 1024,
+                shared_device: bool = True) -> MemoryPlan:
+    """Bytes by component; `target` / `drafter` may live on the meta device."""
+    cfg = target.cfg
+    item = target.dtype.itemsize
+    parts = {
+        "target weights": target.weight_bytes(),
+        "target KV cache": target.kv_bytes_per_token() * max_ctx + target.state_bytes(),
+    }
+    window = None
+    width = 0
+    if drafter is not None:
+        dcfg = drafter.cfg
+        window = drafter_window(max_ctx, trained_ctx or dcfg.trained_context_length, feat_ring_cap)
+        width = len(dcfg.target_layer_ids) * cfg.hidden_size
+        ring_row = width * item
+        mirror_row = row_format(feature_dtype).row_bytes(width)
+        same = shared_device and row_format(feature_dtype).dtype == target.dtype
+        caps = [min(window, dcfg.layer_window(i) or window) for i in range(dcfg.num_layers)]
+        kv_row = 2 * dcfg.num_kv_heads * dcfg.head_dim * drafter.dtype.itemsize
+        parts["drafter weights"] = drafter.weight_bytes()
+        parts["target feature ring"] = window * (ring_row + TAG_BYTES)
+        parts["drafter mirror"] = 0 if same else window * (mirror_row + TAG_BYTES)
+        parts["drafter context K/V"] = sum(caps) * (kv_row + TAG_BYTES)
+    block = block_size or (drafter.cfg.block_size if drafter is not None else 1)
+    parts["workspace"] = _workspace(cfg, item, max_ctx, min(prefill_chunk, max_ctx), block, width)
+    return MemoryPlan(max_ctx, window, feature_dtype, parts)
+
+
+def _workspace(cfg, item: int, max_ctx: int, chunk: int, block: int, width: int) -> int:
+    """Peak transient bytes: the larger of a prefill chunk and a verify step (CUDA attention kernels
+    do not materialise scores; the boolean mask is T x kv_len)."""
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
+    per_token = (8 * cfg.hidden_size + 3 * inter + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * item
+    # features are captured per tap, concatenated, then stored and decoded as float32 for the drafter
+    per_token += width * (2 * item + 8)
+    prefill = chunk * (per_token + max_ctx) + cfg.vocab_size * 4
+    # verify: logits, float32 adjusted scores, float64 uniforms and float32 gumbel noise over the vocabulary
+    verify = block * (per_token + max_ctx + cfg.vocab_size * (item + 4 + 8 + 4 + 8))
+    return max(prefill, verify)
+
+
+def free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_max_ctx(target, drafter, budget: int, **plan_args) -> int:
+    """The largest context (up to the model's) whose plan fits in `budget` bytes; binary search, since
+    every component grows with the context."""
+    lo, hi = 2, target.cfg.max_position_embeddings
+    if plan_memory(target, drafter, lo, **plan_args).total > budget:
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan_memory(target, drafter, mid, **plan_args).total <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

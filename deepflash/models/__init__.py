@@ -1,0 +1,88 @@
+"""Target model registry (HF model_type -> our implementation) and loading into it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..weights import fuse_experts, load_tensors, read_config, resolve_model, safetensors_files
+from .base import TargetModel
+from .llama import LlamaModel
+
+MODEL_CLASSES: dict[str, type[TargetModel]] = {
+    "llama": LlamaModel,
+    "qwen3": LlamaModel,
+    "qwen3_moe": LlamaModel,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[TargetModel]:
+    try:
+        return MODEL_CLASSES[cfg.model_type]
+    except KeyError:
+        raise UserError(
+            f"no implementation for model type {cfg.model_type!r}; supported: {', '.join(MODEL_CLASSES)}"
+        ) from None
+
+
+def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> TargetModel:
+    """Materialise a model straight from tensors (no random init, no second copy of the weights)."""
+    cls = model_class(cfg)
+    state = cls.prepare_state_dict(fuse_experts(state), cfg)
+    with torch.device("meta"):
+        model = cls(cfg).to(dtype)
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise UserError(
+            f"checkpoint does not match the {cfg.model_type} architecture: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.tie_weights()
+    return materialize(model, device).eval().requires_grad_(False)
+
+
+def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
+    """Recompute non-persistent buffers (rope tables) on `device` after building on the meta device."""
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers(device)
+    return model
+
+
+@torch.no_grad()
+def init_random_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """Random weights in place: norm weights at their neutral value, the rest N(0, std); seeded on the CPU
+    so that the same seed gives the same weights on any device."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(getattr(module, "norm_neutral", 1.0))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+    return module
+
+
+def random_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, std: float = 0.02) -> TargetModel:
+    """A target with random weights (tests, cost benchmarks)."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    init_random_(model, seed, std)
+    return materialize(model, device).eval().requires_grad_(False)
+
+
+def load_target(spec: str | None, device="cpu", dtype=torch.float32) -> tuple[TargetModel, Path]:
+    """Load a target from a folder, .gguf file, hub id or the embedded default (None)."""
+    folder = resolve_model(spec)
+    cfg = ModelConfig.from_hf(read_config(folder))
+    model_class(cfg)  # fail on an unsupported architecture before reading gigabytes
+    state = load_tensors(safetensors_files(folder), device, dtype)
+    return build_from_state(cfg, state, device, dtype), folder
+
+
+__all__ = ["MODEL_CLASSES", "TargetModel", "build_from_state", "load_target", "init_random_", "model_class", "random_model"]

@@ -1,0 +1,93 @@
+"""What every target model shares: the output projection, feature taps and cost accounting."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class TargetModel(nn.Module):
+    """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    @classmethod
+    def prepare_state_dict(cls, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> our names. Tied checkpoints may omit lm_head; old ones carry rope buffers."""
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def project(self, x: torch.Tensor, logits: str) -> torch.Tensor | None:
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[:, -1:]
+        return self.lm_head(x)
+
+    @staticmethod
+    def gather_taps(taps: dict[int, torch.Tensor], capture) -> torch.Tensor | None:
+        return torch.cat([taps[i] for i in capture], dim=-1) if capture else None
+
+    # --- cost accounting (memory plan, MBU in the benchmarks) ---------------------------------------
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of KV cache one position occupies (all attention layers, K and V)."""
+        cfg = self.cfg
+        item = (dtype or self.dtype).itemsize
+        return 2 * self.attention_layer_count() * cfg.num_kv_heads * cfg.head_dim * item
+
+    def attention_layer_count(self) -> int:
+        return self.cfg.num_layers
+
+    def state_bytes(self, batch: int = 1) -> int:
+        """Fixed-size per-sequence state besides KV (recurrent layers); zero for pure attention models."""
+        return 0
+
+    def feature_bytes_per_token(self, n_taps: int, dtype: torch.dtype = torch.float32) -> int:
+        return n_taps * self.cfg.hidden_size * dtype.itemsize
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: everything but the embedding table (one row is read), and
+        for MoE only the experts a token is routed to. A tied lm_head reads the full table anyway."""
+        total = self.weight_bytes()
+        emb = self.model.embed_tokens.weight
+        if not self.cfg.tie_word_embeddings:
+            total -= emb.numel() * emb.element_size()
+        cfg = self.cfg
+        if cfg.num_experts:
+            unused = 1 - cfg.num_experts_per_tok / cfg.num_experts
+            for name, p in self.named_parameters():
+                if ".experts." in name:
+                    total -= int(p.numel() * p.element_size() * unused)
+        return total
+
+    def flops_per_token(self) -> int:
+        """2 x the parameters a token multiplies with (attention over the context excluded)."""
+        active = self.decode_weight_bytes() // self.dtype.itemsize
+        return 2 * active

@@ -1,0 +1,195 @@
+"""Building blocks shared by the target models and the drafter: norms, rotary embeddings, MLPs, MoE."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """Llama/Qwen3 RMSNorm: normalise in float32, cast back, then scale (the order matters for bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the rotated part of a head and the cos/sin scale (YaRN's attention factor)."""
+    dim = int(head_dim * rope.partial_rotary_factor)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if rope.kind == "default":
+        return inv_freq, 1.0
+    if rope.kind == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.kind == "llama3":
+        return _llama3_frequencies(rope, inv_freq), 1.0
+    return _yarn_frequencies(rope, dim, inv_freq)
+
+
+def _llama3_frequencies(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    old_len = rope.original_max_position or 8192
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = rope.factor
+    attention = rope.attention_factor
+    if attention is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention = mscale(factor)
+    original = rope.original_max_position
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for explicit positions; computed in float32 like transformers, then cast."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        super().__init__()
+        self.rope, self.head_dim = rope, head_dim
+        self.reset_buffers()
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the float32 table; called again after a model is materialised from the meta device."""
+        inv_freq, self.scaling = rope_frequencies(self.rope, self.head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope on the first cos.shape[-1] dims of x [..., T, H, D]; cos/sin are [T, rot]."""
+    rot = cos.shape[-1]
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos + rotated * sin
+    return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with HF names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts stored fused (transformers 5 layout): gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; experts/weights [N, k]."""
+        n, k = experts.shape
+        if n * k <= self.gate_up_proj.shape[0]:
+            return self._gathered(x, experts, weights)
+        return self._grouped(x, experts, weights)
+
+    def _gathered(self, x, experts, weights):
+        # Decode / verify: read only the chosen experts' weights, no host sync.
+        gate_up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[experts])
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[experts])
+        return (out * weights[..., None].to(out.dtype)).sum(1)
+
+    def _grouped(self, x, experts, weights):
+        # Prefill: one matmul per expert over the tokens routed to it.
+        out = torch.zeros_like(x)
+        flat = experts.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token = order // experts.shape[1]
+        scale = weights.flatten()[order]
+        begin = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token[begin : begin + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, rows, y * scale[begin : begin + count, None].to(y.dtype))
+            begin += count
+        return out
+
+
+class Router(nn.Module):
+    """Top-k softmax router (Qwen3-MoE): softmax in float32, top-k, optional renormalisation."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, normalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.normalize = normalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+
+class SparseMoe(nn.Module):
+    """Qwen3-MoE block: names mlp.gate (router) and mlp.experts.*, as transformers saves them."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool):
+        super().__init__()
+        self.gate = Router(num_experts, hidden, top_k, normalize)
+        self.experts = Experts(num_experts, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        experts, weights = self.gate(flat)
+        return self.experts(flat, experts, weights).reshape(shape)

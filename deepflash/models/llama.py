@@ -1,0 +1,101 @@
+"""Llama-family decoder (Llama / SmolLM2, Qwen3 dense, Qwen3-MoE) with explicit positions.
+
+Parameter names equal the transformers checkpoint names, so a state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kv import KVCache, causal_mask
+from .base import TargetModel
+from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.write(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values = cache.read(layer, kv_len)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        if cfg.is_moe_layer(layer):
+            self.mlp = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(TargetModel):
+    """forward(tokens [B,T], positions [T], cache, kv_len) -> (logits, features)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens, positions, cache, kv_len=None, *, capture=(), logits="all", key_mask=None):
+        """capture: target layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]).
+        logits: "all", "last" or "none". key_mask [B, S]: False on left-padding slots of batched prompts."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(positions, x.dtype)
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        mask = causal_mask(positions, kv_len, key_mask)
+        taps = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, positions, cache, i, kv_len, mask)
+            if i in capture and i != last:
+                taps[i] = x
+        x = self.model.norm(x)
+        if last in capture:
+            taps[last] = x  # transformers' last hidden state is the normed one
+        return self.project(x, logits), self.gather_taps(taps, capture)

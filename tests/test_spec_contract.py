@@ -1,0 +1,114 @@
+"""The engine's core contract: greedy speculative output == greedy plain output, token for token,
+for any drafter (random weights included), block size, prompt length and stop condition."""
+
+import pytest
+import torch
+
+import deepflash.engine as engine_module
+from deepflash.engine import Engine
+from deepflash.sampling import SamplingParams
+from helpers import EOS, drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+
+TOKENIZER = tiny_tokenizer()
+TARGET = tiny_target()
+
+
+def prompt(n, seed=0):
+    return torch.randint(5, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def plain(ids, params, target=TARGET):
+    return Engine(target, TOKENIZER).complete(ids, params)
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 16])
+@pytest.mark.parametrize("length", [1, 7, 40])
+@pytest.mark.parametrize("sliding", [False, True])
+def test_random_drafter_matches_plain(block, length, sliding):
+    drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=sliding, window=6))
+    ids = prompt(length, seed=length)
+    params = SamplingParams(max_new_tokens=30)
+    spec = Engine(TARGET, TOKENIZER, drafter, block_size=block, spec="on").complete(ids, params)
+    ref = plain(ids, params)
+    assert spec.token_ids == ref.token_ids and spec.text == ref.text
+    assert spec.finish_reason == ref.finish_reason
+    assert spec.spec.committed + spec.spec.plain_steps + 1 >= len(spec.token_ids)
+
+
+def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int = 0):
+    """Replace the drafter's proposals by the true continuation (optionally spoiled now and then), so
+    that long accepted runs, stops and length limits inside a block get exercised."""
+    calls = {"n": 0}
+
+    def propose(drafter, target, context, last, start, size):
+        calls["n"] += 1
+        out = []
+        for k in range(1, size):
+            i = start + k - prompt_len
+            tok = reference[i] if i < len(reference) else 5
+            if wrong_every and (calls["n"] + k) % wrong_every == 0:
+                tok = (tok + 1) % 90
+            out.append(tok)
+        return torch.tensor(out)
+
+    monkeypatch.setattr(engine_module, "propose", propose)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3, 7])
+@pytest.mark.parametrize("max_new", [1, 5, 16, 33])
+def test_long_accepted_runs_end_exactly(monkeypatch, wrong_every, max_new):
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    ids = prompt(9)
+    ref_long = plain(ids, SamplingParams(max_new_tokens=60)).token_ids
+    oracle(monkeypatch, ref_long, len(ids), wrong_every)
+    params = SamplingParams(max_new_tokens=max_new)
+    out = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
+    assert out.token_ids == plain(ids, params).token_ids
+    if wrong_every == 0 and max_new > 16:
+        assert out.spec.histogram[-1] > 0  # whole blocks were accepted
+
+
+def test_stop_token_and_string_inside_a_block(monkeypatch):
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    ids = prompt(9)
+    ref = plain(ids, SamplingParams(max_new_tokens=60))
+    oracle(monkeypatch, ref.token_ids, len(ids))
+    words = ref.text.split()
+    stop_string = " ".join(words[10:12])
+    stop_token = ref.token_ids[13]
+    cases = [SamplingParams(max_new_tokens=60, stop=(stop_string,))]
+    for params in cases:
+        out = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
+        want = plain(ids, params)
+        assert out.text == want.text and out.token_ids == want.token_ids and out.finish_reason == "stop"
+        assert stop_string not in out.text
+    # a model whose end token appears mid-block
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="on")
+    engine.stop_ids = frozenset({stop_token, EOS})
+    out = engine.complete(ids, SamplingParams(max_new_tokens=60))
+    base = Engine(TARGET, TOKENIZER)
+    base.stop_ids = engine.stop_ids
+    want = base.complete(ids, SamplingParams(max_new_tokens=60))
+    assert out.token_ids == want.token_ids and out.token_ids[-1] == stop_token and out.finish_reason == "stop"
+
+
+def test_context_limit_inside_a_block(monkeypatch):
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    ids = prompt(20)
+    ref = plain(ids, SamplingParams(max_new_tokens=60)).token_ids
+    oracle(monkeypatch, ref, len(ids))
+    params = SamplingParams(max_new_tokens=60)
+    out = Engine(TARGET, TOKENIZER, drafter, spec="on", max_ctx=31).complete(ids, params)
+    want = Engine(TARGET, TOKENIZER, max_ctx=31).complete(ids, params)
+    assert out.token_ids == want.token_ids and len(ids) + len(out.token_ids) == 31
+    assert out.finish_reason == want.finish_reason == "length"
+
+
+def test_sampled_speculative_equals_sampled_plain():
+    """Position-keyed sampling: with the same seed, speculative decoding emits plain decoding's samples."""
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    ids = prompt(12)
+    for seed in range(3):
+        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=seed, max_new_tokens=25)
+        spec = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
+        assert spec.token_ids == plain(ids, params).token_ids
