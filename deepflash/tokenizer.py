@@ -13,7 +13,10 @@ CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end
 def load_tokenizer(folder: Path | str) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    return Tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    try:
+        return Tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load a tokenizer from {folder}: {err}") from None
 
 
 class Tokenizer:

@@ -197,7 +197,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
         tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _save_gguf_tokenizer(path, out)
+    if "tokenizer.ggml.model" in reader.fields:
+        _save_gguf_tokenizer(path, out)
 
 
 def _gguf_name(name: str) -> str | None:

