@@ -18,7 +18,6 @@ from torch import nn
 
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .features import ring_runs
 from .models.layers import MLP, RMSNorm, Rotary, apply_rotary
 
 
@@ -145,59 +144,57 @@ def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: i
 class DrafterContext:
     """Each drafter layer's K/V of the committed context, in a position-tagged ring (slot = pos % cap).
 
-    Full-attention layers hold the whole feature window; sliding layers only their attention window.
-    Only committed positions are ever appended; the block's own K/V is computed per draft and dropped.
+    Full-attention layers see the last `window` committed positions (the feature window), sliding layers
+    only their attention window. Rows are appended for every verified position, committed or not (fixed
+    shapes, no host sync); `slack` spare slots keep the not-yet-committed rows from evicting visible ones,
+    and the masks only admit positions below the block start, so only committed context is ever seen.
+    The block's own K/V is computed per draft and never stored.
     """
 
-    def __init__(self, drafter: DFlashDrafter, window: int):
+    def __init__(self, drafter: DFlashDrafter, window: int, slack: int = 0):
         cfg = drafter.cfg
         self.drafter = drafter
         self.window = window
-        self.caps = [min(window, cfg.layer_window(i) or window) for i in range(cfg.num_layers)]
-        shape = (1, cfg.num_kv_heads, 0, cfg.head_dim)
+        self.caps = [min(window, cfg.layer_window(i) or window) + slack for i in range(cfg.num_layers)]
         dev, dt = drafter.device, drafter.dtype
-        self.k = [torch.zeros(shape[:2] + (cap,) + shape[3:], device=dev, dtype=dt) for cap in self.caps]
+        self.k = [torch.zeros((1, cfg.num_kv_heads, cap, cfg.head_dim), device=dev, dtype=dt) for cap in self.caps]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.tags = [torch.full((cap,), -1, dtype=torch.int64, device=dev) for cap in self.caps]
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v))
+        return sum(k.nbytes + v.nbytes + t.nbytes for k, v, t in zip(self.k, self.v, self.tags))
 
     def reset(self) -> None:
         for tags in self.tags:
             tags.fill_(-1)
 
-    def append(self, start: int, features: torch.Tensor) -> None:
-        """Features [n, F] of committed positions [start, start + n) -> fused -> each layer's K/V."""
-        n = features.shape[0]
-        positions = torch.arange(start, start + n, device=self.drafter.device)
+    def append(self, positions: torch.Tensor, features: torch.Tensor) -> None:
+        """Features [n, F] of consecutive positions [n] -> fused -> each layer's K/V, scattered to its ring."""
         kv = self.drafter.context_kv(self.drafter.fuse(features)[None], positions)
         for i, (k, v) in enumerate(kv):
-            skip = n - min(n, self.caps[i])  # a run longer than the ring keeps its newest rows
-            self._write(i, start + skip, positions[skip:], k[:, :, skip:], v[:, :, skip:])
-
-    def _write(self, layer: int, first: int, positions, k, v) -> None:
-        for lo, hi, src in ring_runs(first, positions.shape[0], self.caps[layer]):
-            self.k[layer][:, :, lo:hi] = k[:, :, src : src + hi - lo]
-            self.v[layer][:, :, lo:hi] = v[:, :, src : src + hi - lo]
-            self.tags[layer][lo:hi] = positions[src : src + hi - lo]
+            keep = min(positions.shape[0], self.caps[i])  # a run longer than the ring keeps its newest rows
+            slots = positions[-keep:] % self.caps[i]
+            self.k[i].index_copy_(2, slots, k[:, :, -keep:])
+            self.v[i].index_copy_(2, slots, v[:, :, -keep:])
+            self.tags[i].index_copy_(0, slots, positions[-keep:])
 
     def rebuild(self, start: int, features: torch.Tensor) -> None:
-        """Start over from the mirror's context (window change, restore, drafter swap)."""
+        """Start over from the mirror's context rows for [start, start + n) (window change, restore,
+        drafter swap)."""
         self.reset()
         if features.shape[0]:
-            self.append(start, features)
+            self.append(torch.arange(start, start + features.shape[0], device=self.drafter.device), features)
 
-    def masks(self, start: int, size: int) -> list[torch.Tensor]:
-        """Per layer [size, cap + size]: context slots holding a committed position the query may see,
-        then the block's own keys."""
+    def masks(self, q_pos: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer [size, cap + size] for a block at positions q_pos: the committed context positions in
+        [start - window, start) that the query may see (sliding: q - p < W), then the block's own keys."""
         cfg = self.drafter.cfg
-        q_pos = torch.arange(start, start + size, device=self.drafter.device)
+        start = q_pos[:1]
         out = []
         for i, tags in enumerate(self.tags):
             window = cfg.layer_window(i)
-            ctx = (tags >= 0)[None, :].expand(size, -1)
+            ctx = ((tags < start) & (tags >= start - self.window) & (tags >= 0))[None, :].expand(q_pos.shape[0], -1)
             if window is not None:
                 ctx = ctx & (q_pos[:, None] - tags[None, :] < window)
             out.append(torch.cat([ctx, block_mask(q_pos, q_pos, cfg.layer_is_causal(i), window)], dim=1))
@@ -207,15 +204,13 @@ class DrafterContext:
         return list(zip(self.k, self.v))
 
 
-@torch.no_grad()
-def propose(drafter: DFlashDrafter, target, context: DrafterContext, last_token: torch.Tensor, start: int,
-            size: int) -> torch.Tensor:
-    """Draft tokens for positions start+1 .. start+size-1 (argmax), from block [last, MASK x (size-1)]."""
-    block = torch.full((1, size), drafter.cfg.mask_token_id, dtype=torch.long, device=drafter.device)
-    block[0, 0] = last_token
+def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch.Tensor,
+            q_pos: torch.Tensor) -> torch.Tensor:
+    """Draft tokens for positions q_pos[1:] (argmax) from the block [last, MASK x (size-1)] at q_pos."""
+    mask = torch.full((q_pos.shape[0] - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=q_pos.device)
+    block = torch.cat([last.view(1), mask])[None]
     x = drafter.block_embeddings(target.model.embed_tokens, block)
-    positions = torch.arange(start, start + size, device=drafter.device)
-    hidden = drafter(x, positions, context.kv(), context.masks(start, size))
+    hidden = drafter(x, q_pos, context.kv(), context.masks(q_pos))
     return drafter.logits(hidden[0, 1:], target.lm_head).argmax(dim=-1)
 
 

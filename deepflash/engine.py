@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .controller import SpecController
-from .drafter import DFlashDrafter, DrafterContext, propose, validate_pair
+from .drafter import DFlashDrafter, DrafterContext, validate_pair
 from .errors import UserError
 from .features import FeatureStore, drafter_window
+from .graphs import StepGraphs, kv_bucket
 from .models import TargetModel
 from .output import OutputTracker
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams
+from .spec import StepState, Steps
 from .stats import PhaseTimer, SpecStats
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -73,18 +75,31 @@ class Chunk:
 
 @dataclass
 class Sequence:
+    """Host view of one request. The device state (spec.StepState) runs at most one step ahead of it."""
+
     tokens: list[int]
-    processed: int
+    processed: int  # positions the target has processed once the last collected step is counted
     params: SamplingParams
     tracker: OutputTracker
+    generated: int = 0  # tokens committed after the prompt (the first comes from prefill)
     new_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Launched:
+    """A step in flight: what ran and where its result will be readable."""
+
+    kind: str  # "plain" | "spec"
+    size: int
+    began: float
+    ready: torch.cuda.Event | None = None
 
 
 class Engine:
     def __init__(self, target: TargetModel, tokenizer: Tokenizer, drafter: DFlashDrafter | None = None, *,
                  max_ctx: int | None = None, block_size: int | None = None, feature_dtype: str = "f32",
                  feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
-                 prefill_chunk: int = 1024):
+                 prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         cfg = target.cfg
         self.max_ctx = min(max_ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -95,38 +110,56 @@ class Engine:
         self.stop_ids = tokenizer.stop_ids(cfg.eos_token_ids)
         self.prefill_chunk = prefill_chunk
         self.controller = SpecController(mode=spec if drafter is not None else "off")
-        self.taps: tuple[int, ...] = ()
+        self.block_size = 1
+        features = context = None
         if drafter is not None:
             validate_pair(drafter.cfg, cfg, block_size)
             self.block_size = block_size or drafter.cfg.block_size
-            self.taps = drafter.cfg.target_layer_ids
             self.trained_ctx = trained_ctx or drafter.cfg.trained_context_length
             self.window = drafter_window(self.max_ctx, self.trained_ctx, feat_ring_cap)
-            width = len(self.taps) * cfg.hidden_size
-            self.features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device,
-                                         drafter.device)
-            self.context = DrafterContext(drafter, self.window)
+            width = len(drafter.cfg.target_layer_ids) * cfg.hidden_size
+            features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device, drafter.device,
+                                    slack=self.block_size)
+            context = DrafterContext(drafter, self.window, slack=self.block_size)
+        self.state = StepState(self.device, self.block_size)
+        self.steps = Steps(target, self.cache, self.state, drafter, features, context)
+        # compiled variants serve the common shapes (full blocks); a request's last, shorter blocks run
+        # uncompiled rather than triggering a recompile per size
+        self.compiled = {name: torch.compile(getattr(self.steps, name)) for name in ("plain", "draft", "verify")
+                         } if compile else {}
+        self.graphs = StepGraphs(self.state, self.device, enabled=cuda_graphs)
+        pinned = self.device.type == "cuda"
+        self.host_result = torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
         """Stream a completion of prompt_ids; the last chunk carries the Result."""
         params = params.validated()
         self._check_prompt(prompt_ids)
-        seq = Sequence(list(prompt_ids), 0, params, OutputTracker(
+        seq = Sequence(list(prompt_ids), len(prompt_ids), params, OutputTracker(
             Detokenizer(self.tokenizer), self.stop_ids, params.stop, params.max_new_tokens))
         spec = SpecStats(self.block_size) if self.drafter is not None else None
         timer = PhaseTimer(self.device)
+        self.controller.new_request()
         t0 = time.perf_counter()
-        first = self._prefill(seq)
-        self._postprocess(seq, [first])
+        self._prefill(seq)
+        seq.generated = 1
+        self._postprocess(seq, self._read_result(1))
         prefill_s = time.perf_counter() - t0
         yield Chunk(seq.tracker.stream(), self._take_new(seq))
         t1 = time.perf_counter()
-        self.controller.new_request()
-        while not seq.tracker.finished:
-            committed = self._step(seq, spec, timer)
+        launched = self._launch(seq, timer) if not seq.tracker.finished else None
+        while launched is not None:
+            committed = self._collect(seq, launched, spec)
+            # launch the next step before the host digests this one, so the GPU is never idle while
+            # Python detokenizes; if this step ends the output, the next one is simply discarded
+            launched = self._launch(seq, timer) if self._room(seq) > 0 else None
             self._postprocess(seq, committed)
             yield Chunk(seq.tracker.stream(), self._take_new(seq))
+            if seq.tracker.finished:
+                break
+        if launched is not None and launched.ready is not None:
+            launched.ready.synchronize()
         decode_s = time.perf_counter() - t1
         if spec is not None:
             phases = timer.collect()
@@ -152,81 +185,74 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")
 
-    def _block_size_for(self, seq: Sequence) -> int:
-        """Tokens one verify may commit: the block, cut to the tokens still wanted and the room left."""
-        room = self.max_ctx - len(seq.tokens)
-        wanted = seq.params.max_new_tokens - len(seq.tracker.tokens)
-        return min(self.block_size, room, wanted)
+    def _prefill(self, seq: Sequence) -> None:
+        if self.steps.features is not None:
+            self.steps.features.reset()
+            self.steps.context.reset()
+        self.state.seed.fill_(seq.params.seed)
+        ids = torch.tensor(seq.tokens, device=self.device)
+        self.steps.prefill(ids, self.prefill_chunk, seq.params)
 
-    def _step(self, seq: Sequence, spec: SpecStats | None, timer: PhaseTimer) -> list[int]:
-        """One decode step, speculative when the controller says it pays; both end in one host sync,
-        so the wall time measured here is the step's real cost."""
-        begin = time.perf_counter()
-        if spec is not None and self._block_size_for(seq) >= 2 and self.controller.use_spec():
-            committed, size, accepted = self._spec_step(seq, timer)
-            spec.record(size, accepted)
-            self.controller.record_spec(len(committed), time.perf_counter() - begin)
-            return committed
-        committed = self._plain_step(seq)
-        if spec is not None:
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the next step may still commit: cut by max_new_tokens and by the context."""
+        wanted = seq.params.max_new_tokens - seq.generated
+        return min(self.max_ctx - 1 - seq.processed, wanted)
+
+    def _launch(self, seq: Sequence, timer: PhaseTimer) -> Launched:
+        """Schedule and start one step (plain or speculative) on the device; nothing waits for it."""
+        size = min(self.block_size, self._room(seq))
+        began = time.perf_counter()
+        params = seq.params
+        sampling = (params.temperature, params.top_k, params.top_p)
+        if self.drafter is not None and size >= 2 and self.controller.use_spec():
+            kv_len = kv_bucket(seq.processed + size, self.max_ctx)
+            draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
+            timer.start("draft")
+            self.graphs.run(("draft", size), lambda: draft(size))
+            timer.stop()
+            timer.start("verify")
+            self.graphs.run(("verify", size, kv_len) + sampling, lambda: verify(size, kv_len, params))
+            timer.stop()
+            kind = "spec"
+        else:
+            kv_len = kv_bucket(seq.processed + 1, self.max_ctx)
+            plain = self._step_fn("plain", 1)
+            self.graphs.run(("plain", kv_len) + sampling, lambda: plain(kv_len, params))
+            kind, size = "plain", 1
+        # the host learns the outcome from one small copy; the device already advanced its own inputs
+        self.host_result[: size + 1].copy_(self.state.result[: size + 1], non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(kind, size, began, ready)
+
+    def _step_fn(self, name: str, size: int):
+        if name in self.compiled and (name == "plain" or size == self.block_size):
+            return self.compiled[name]
+        return getattr(self.steps, name)
+
+    def _collect(self, seq: Sequence, launched: Launched, spec: SpecStats | None) -> list[int]:
+        committed = self._read_result(launched.size, launched.ready)
+        seconds = time.perf_counter() - launched.began
+        seq.processed += len(committed)
+        seq.generated += len(committed)
+        if launched.kind == "spec":
+            spec.record(launched.size, len(committed) - 1)
+            self.controller.record_spec(len(committed), seconds)
+        elif spec is not None:
             spec.plain_steps += 1
-            self.controller.record_plain(time.perf_counter() - begin)
+            self.controller.record_plain(seconds)
         return committed
 
-    def _prefill(self, seq: Sequence) -> int:
-        """Run the prompt through the target in chunks (capturing features) and choose the first token."""
-        if self.drafter is not None:
-            self.features.reset()
-            self.context.reset()
-        n = len(seq.tokens)
-        ids = torch.tensor(seq.tokens, device=self.device)
-        for lo in range(0, n, self.prefill_chunk):
-            hi = min(n, lo + self.prefill_chunk)
-            positions = torch.arange(lo, hi, device=self.device)
-            logits, feats = self.target(ids[None, lo:hi], positions, self.cache, hi, capture=self.taps,
-                                        logits="last" if hi == n else "none")
-            self._commit_features(lo, feats)
-        seq.processed = n
-        return choose(logits[0], torch.tensor([n], device=self.device), seq.params).item()
-
-    def _plain_step(self, seq: Sequence) -> list[int]:
-        pos = seq.processed
-        token = torch.tensor([[seq.tokens[pos]]], device=self.device)
-        positions = torch.tensor([pos], device=self.device)
-        logits, feats = self.target(token, positions, self.cache, pos + 1, capture=self.taps)
-        seq.processed += 1
-        self._commit_features(pos, feats)
-        return [choose(logits[0], positions + 1, seq.params).item()]
-
-    def _spec_step(self, seq: Sequence, timer: PhaseTimer) -> tuple[list[int], int, int]:
-        """Draft a block, verify it in one target forward, keep the longest agreeing prefix + the target's
-        own next token. Returns (committed tokens, block size, accepted drafts)."""
-        start = seq.processed
-        size = self._block_size_for(seq)
-        last = torch.tensor([seq.tokens[start]], device=self.device)
-        timer.start("draft")
-        drafts = propose(self.drafter, self.target, self.context, last, start, size)
-        timer.stop()
-        timer.start("verify")
-        positions = torch.arange(start, start + size, device=self.device)
-        block = torch.cat([last, drafts.to(self.device)])
-        logits, feats = self.target(block[None], positions, self.cache, start + size, capture=self.taps)
-        choices = choose(logits[0], positions + 1, seq.params)
-        accepted = (drafts == choices[:-1]).cumprod(0).sum()
-        host = torch.cat([accepted[None], choices]).tolist()  # the step's one host sync
-        timer.stop()
-        n = host[0]
-        self.cache.keep(n + 1)
-        seq.processed += n + 1
-        self._commit_features(start, feats[0, : n + 1])
-        return host[1 : n + 2], size, n
-
-    def _commit_features(self, start: int, feats: torch.Tensor | None) -> None:
-        if self.drafter is None:
-            return
-        rows = feats.reshape(-1, feats.shape[-1])
-        first, stored = self.features.commit(start, rows)
-        self.context.append(first, stored)
+    def _read_result(self, size: int, ready: torch.cuda.Event | None = None) -> list[int]:
+        """Committed tokens of the last step: result = [accepted, token_1, ...] (the step's one sync)."""
+        if ready is not None:
+            ready.synchronize()
+        else:
+            self.host_result[: size + 1].copy_(self.state.result[: size + 1])
+        values = self.host_result[: size + 1].tolist()
+        return values[1 : values[0] + 2]
 
     def _postprocess(self, seq: Sequence, committed: list[int]) -> None:
         for token in committed:
@@ -234,7 +260,7 @@ class Engine:
             seq.new_tokens.append(token)
             if seq.tracker.push(token):
                 return
-        if len(seq.tokens) >= self.max_ctx:
+        if self._room(seq) <= 0:
             seq.tracker.end("length")
 
     @staticmethod

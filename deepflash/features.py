@@ -44,23 +44,20 @@ def drafter_window(max_ctx: int, trained_ctx: int, cap: int | None = None) -> in
     return window
 
 
-def ring_runs(start: int, n: int, cap: int):
-    """Contiguous slot ranges (lo, hi, offset into the run) of positions [start, start + n), n <= cap,
-    in a ring of `cap` slots: one range, or two where the run wraps."""
-    lo = start % cap
-    head = min(n, cap - lo)
-    yield lo, lo + head, 0
-    if head < n:
-        yield 0, n - head, head
-
-
 class FeatureRing:
-    """`window` position-tagged rows of `width` features in a storage format, on one device."""
+    """Position-tagged rows of `width` features in a storage format, on one device.
 
-    def __init__(self, window: int, width: int, fmt: RowFormat, device: torch.device | str):
+    It holds `window` positions plus `slack` spare slots: a verify step writes the features of its whole
+    block before knowing how many positions it commits, and the spare slots keep those not-yet-committed
+    rows from evicting positions still inside the window (they stay invisible until committed, because
+    readers only accept positions below the committed length, and are overwritten when committed).
+    """
+
+    def __init__(self, window: int, width: int, fmt: RowFormat, device: torch.device | str, slack: int = 0):
         self.window, self.width, self.fmt = window, width, fmt
-        self.data = torch.zeros((window, *fmt.row_shape(width)), dtype=fmt.storage_dtype(), device=device)
-        self.tags = torch.full((window,), -1, dtype=torch.int64, device=device)
+        self.capacity = window + slack
+        self.data = torch.zeros((self.capacity, *fmt.row_shape(width)), dtype=fmt.storage_dtype(), device=device)
+        self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -69,30 +66,31 @@ class FeatureRing:
     def reset(self) -> None:
         self.tags.fill_(-1)
 
-    def write(self, start: int, rows: torch.Tensor) -> torch.Tensor:
-        """Rows for positions [start, start + n). A run longer than the ring keeps its last `window` rows;
-        the run is encoded in one call and stored as at most two slices. Returns the stored encoding."""
-        n = rows.shape[0]
-        if n > self.window:
-            rows, start, n = rows[n - self.window :], start + n - self.window, self.window
+    def write(self, positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for `positions` (consecutive, on the ring's device), encoded in one call and scattered to
+        slot = position % capacity in one kernel, so a run that wraps needs no special case and no
+        write goes past a row. A run longer than the window keeps its newest `window` rows.
+        Returns the positions and encoded rows actually stored."""
+        if rows.shape[0] > self.window:
+            positions, rows = positions[-self.window :], rows[-self.window :]
         encoded = self.fmt.encode(rows.to(self.data.device))
-        positions = torch.arange(start, start + n, device=self.data.device)
-        for lo, hi, src in ring_runs(start, n, self.window):
-            self.data[lo:hi] = encoded[src : src + hi - lo]
-            self.tags[lo:hi] = positions[src : src + hi - lo]
-        return encoded
+        slots = positions % self.capacity
+        self.data.index_copy_(0, slots, encoded)
+        self.tags.index_copy_(0, slots, positions)
+        return positions, encoded
 
     def read(self, start: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Decoded rows for positions [start, start + n); raises FeatureReadError if any is not held."""
-        if n > self.window:
-            raise FeatureReadError(f"cannot read {n} positions from a ring of {self.window}")
-        runs = list(ring_runs(start, n, self.window))
-        tags = torch.cat([self.tags[lo:hi] for lo, hi, _ in runs])
-        want = torch.arange(start, start + n, device=tags.device)
+        """Decoded rows for positions [start, start + n), one decode call for the run; raises
+        FeatureReadError if any position is not held (evicted, never written, or out of range)."""
+        want = torch.arange(start, start + n, device=self.tags.device)
+        if n > self.capacity or start < 0:
+            raise FeatureReadError(f"positions {start}..{start + n - 1} cannot all be in a ring of {self.capacity}")
+        slots = want % self.capacity
+        tags = self.tags[slots]
         if not torch.equal(tags, want):
             bad = int(want[tags != want][0])
             raise FeatureReadError(f"position {bad} is not in the feature ring (window {self.window})")
-        return torch.cat([self.fmt.decode(self.data[lo:hi], dtype) for lo, hi, _ in runs])
+        return self.fmt.decode(self.data[slots], dtype)
 
 
 class FeatureStore:
@@ -100,13 +98,13 @@ class FeatureStore:
     format). Where both would hold the same bytes on the same device the mirror is the ring itself."""
 
     def __init__(self, window: int, width: int, feature_dtype: str, target_dtype: torch.dtype,
-                 target_device, drafter_device):
+                 target_device, drafter_device, slack: int = 0):
         self.window = window
         target_fmt = _plain_format(target_dtype)
-        self.ring = FeatureRing(window, width, target_fmt, target_device)
+        self.ring = FeatureRing(window, width, target_fmt, target_device, slack)
         mirror_fmt = row_format(feature_dtype)
         same = mirror_fmt == target_fmt and torch.device(target_device) == torch.device(drafter_device)
-        self.mirror = self.ring if same else FeatureRing(window, width, mirror_fmt, drafter_device)
+        self.mirror = self.ring if same else FeatureRing(window, width, mirror_fmt, drafter_device, slack)
 
     @property
     def nbytes(self) -> int:
@@ -116,14 +114,14 @@ class FeatureStore:
         self.ring.reset()
         self.mirror.reset()
 
-    def commit(self, start: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Store the features of committed positions [start, start + n); return the run the drafter should
-        append (its first position and rows decoded from the mirror, i.e. exactly what storage holds)."""
-        stored = self.ring.write(start, rows)
+    def commit(self, positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the features of `positions`; return what the drafter should append: the positions kept
+        and their rows decoded from the mirror, i.e. exactly what storage holds. No host sync."""
+        stored = self.ring.write(positions, rows)
         if self.mirror is not self.ring:
-            stored = self.mirror.write(start, rows)
-        first = start + rows.shape[0] - stored.shape[0]
-        return first, self.mirror.fmt.decode(stored)
+            stored = self.mirror.write(positions.to(self.mirror.data.device), rows)
+        kept, encoded = stored
+        return kept, self.mirror.fmt.decode(encoded)
 
     def context(self, end: int) -> tuple[int, torch.Tensor]:
         """The drafter's whole context before position `end`: min(end, window) positions, no floor."""

@@ -37,8 +37,11 @@ class KVCache:
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean [T, kv_len] (or [B, 1, T, kv_len] with a per-row key mask for left-padded batches)."""
+    """Boolean [T, kv_len], or [B, 1, T, kv_len] with a per-row key mask for left-padded batches: real
+    tokens never see padding; padding queries see the causal prefix so that no row is fully masked
+    (a fully masked row would turn into NaN and poison the cache)."""
     mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
     if key_mask is None:
         return mask
-    return mask[None, None] & key_mask[:, None, None, :kv_len]
+    pad_query = ~key_mask[:, positions]
+    return (mask[None] & (key_mask[:, None, :kv_len] | pad_query[:, :, None]))[:, None]

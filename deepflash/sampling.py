@@ -62,12 +62,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniforms in (0, 1), shape [N, vocab], a function of (seed, position, token id) only."""
+def uniform_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1), shape [N, vocab], a function of (seed, position, token id) only.
+    `seed` is a 0-d int64 tensor on the device (a buffer, so captured CUDA graphs read the current one)."""
     device = positions.device
-    seed_lo = _mix32(torch.tensor(seed & _MASK32, device=device))
-    seed_hi = (seed >> 32) & _MASK32
-    row = _mix32(_mix32((positions.to(torch.int64) & _MASK32) ^ seed_lo) ^ seed_hi)
+    seed = seed.to(device=device, dtype=torch.int64)
+    row = _mix32(_mix32((positions.to(torch.int64) & _MASK32) ^ _mix32(seed & _MASK32)) ^ ((seed >> 32) & _MASK32))
     ids = torch.arange(vocab, device=device, dtype=torch.int64)
     x = _mix32((row[:, None] + ids * 0x27D4EB2F) & _MASK32)
     x = _mix32(x ^ row[:, None])
@@ -97,9 +97,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return adjusted_logits(logits, params).softmax(dim=-1)
 
 
-def choose(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled."""
+def choose(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams,
+           seed: torch.Tensor | None = None) -> torch.Tensor:
+    """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled.
+    `seed` (0-d tensor) overrides params.seed; engines pass a device buffer."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, positions, logits.shape[-1])))
+    if seed is None:
+        seed = torch.tensor(params.seed)
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, positions, logits.shape[-1])))
     return (adjusted_logits(logits, params) + gumbel.float()).argmax(dim=-1)

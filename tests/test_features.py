@@ -69,7 +69,7 @@ def test_rings_never_alias(fmt):
     ring = FeatureRing(window, width, row_format(fmt), "cpu")
     end = 0
     for n in [3, 7, 1, 10, 4, 25, 2, 9, 13]:  # runs that wrap, fill exactly, and overflow the ring
-        ring.write(end, encoded(range(end, end + n), width))
+        ring.write(torch.arange(end, end + n), encoded(range(end, end + n), width))
         end += n
         for p in range(max(0, end - 40), end):
             if p >= end - window:
@@ -109,9 +109,9 @@ def test_writes_never_touch_neighbouring_rows(fmt):
     """Guard rows around every write stay bit-identical."""
     ring = FeatureRing(8, 64, row_format(fmt), "cpu")
     guard = torch.full((8, 64), 5.0)
-    ring.write(0, guard)
+    ring.write(torch.arange(8), guard)
     before = ring.data.clone()
-    ring.write(3, torch.randn(2, 64) * 100)  # slots 3, 4
+    ring.write(torch.arange(3, 5), torch.randn(2, 64) * 100)  # slots 3, 4
     changed = (ring.data != before).any(-1)
     assert changed.tolist() == [False, False, False, True, True, False, False, False]
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import deepflash.engine as engine_module
+import deepflash.spec as spec_module
 from deepflash.engine import Engine
 from deepflash.errors import UserError
 from deepflash.sampling import SamplingParams, adjusted_logits, choose, target_probs
@@ -91,8 +91,8 @@ def test_output_distribution_matches_target(use_drafter, monkeypatch):
             third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
     if use_drafter:  # propose each position's most likely token
         modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
-        monkeypatch.setattr(engine_module, "propose", lambda d, t, c, last, start, size: torch.tensor(
-            [modes.get(start + k, 0) for k in range(1, size)]))
+        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos: torch.tensor(
+            [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])]))
     n = 1200
     counts: dict[int, int] = {}
     accepted = 0

@@ -4,7 +4,7 @@ for any drafter (random weights included), block size, prompt length and stop co
 import pytest
 import torch
 
-import deepflash.engine as engine_module
+import deepflash.spec as spec_module
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 from helpers import EOS, drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
@@ -40,7 +40,8 @@ def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int 
     that long accepted runs, stops and length limits inside a block get exercised."""
     calls = {"n": 0}
 
-    def propose(drafter, target, context, last, start, size):
+    def propose(drafter, target, context, last, q_pos):
+        start, size = int(q_pos[0]), q_pos.shape[0]
         calls["n"] += 1
         out = []
         for k in range(1, size):
@@ -51,7 +52,7 @@ def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int 
             out.append(tok)
         return torch.tensor(out)
 
-    monkeypatch.setattr(engine_module, "propose", propose)
+    monkeypatch.setattr(spec_module, "propose", propose)
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3, 7])
@@ -112,3 +113,20 @@ def test_sampled_speculative_equals_sampled_plain():
         params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=seed, max_new_tokens=25)
         spec = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
         assert spec.token_ids == plain(ids, params).token_ids
+
+
+def test_steps_have_no_host_syncs():
+    """Each step traces as one graph (dynamo fullgraph, no compiler): no .item(), no data-dependent
+    Python, so it can be captured as a CUDA graph."""
+    import torch._dynamo
+
+    from deepflash.sampling import SamplingParams
+
+    drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=6))
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="on", block_size=8, feature_dtype="q4_0")
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=1, max_new_tokens=5).validated()
+    engine.complete(prompt(10), params)
+    steps = engine.steps
+    torch._dynamo.reset()
+    for fn, args in [(steps.draft, (8,)), (steps.verify, (8, 256, params)), (steps.plain, (256, params))]:
+        torch.compile(fn, fullgraph=True, backend="eager")(*args)

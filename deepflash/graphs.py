@@ -1,0 +1,67 @@
+"""CUDA graphs for the decode steps: capture each step variant once, then replay it.
+
+A small model's decode step is hundreds of tiny kernels; launched one by one from Python the launch
+overhead dominates. Replaying a captured graph launches them all in one call. A variant is keyed by
+what changes its kernels: the step kind, the block size, the attention span (kv_len, bucketed to a
+power of two so there are few variants) and the sampling settings (baked into the kernels; the seed
+is a device buffer). Off CUDA the steps simply run eagerly.
+
+Optionally the step functions are compiled with torch.compile (inductor) before capture, which fuses
+the elementwise work (norms, rope, SiLU) into fewer kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .spec import StepState
+
+
+class StepGraphs:
+    def __init__(self, state: StepState, device: torch.device, enabled: bool = True):
+        self.state = state
+        self.enabled = enabled and device.type == "cuda"
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def run(self, key: tuple, fn: Callable[[], None]) -> None:
+        if not self.enabled:
+            fn()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(fn)
+        graph.replay()
+
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Warm up on a side stream (allocator and library handles must exist before capture), undo the
+        warm-up's effect on the step state, then capture. The warm-up's cache and ring writes land at
+        positions that are not committed yet, which every reader masks until they are rewritten."""
+        saved = self.state.snapshot()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+                self.state.restore(saved)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        self.pool = graph.pool()
+        return graph
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+
+def kv_bucket(needed: int, max_ctx: int, floor: int = 256) -> int:
+    """Attention span for a step that touches positions < needed: the next power of two (few graph
+    variants, little wasted attention), never beyond the cache."""
+    span = floor
+    while span < needed:
+        span *= 2
+    return min(span, max_ctx)

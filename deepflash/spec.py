@@ -1,0 +1,104 @@
+"""Decode steps on device-resident state: prefill, plain step, draft and verify.
+
+Each step reads its inputs from `StepState` buffers and advances them on the device (the verify step
+picks the next "last token" and start position itself), so the host never writes inputs between
+steps and only reads one small result tensor. That makes each step a fixed-shape function of static
+buffers, which `graphs.StepGraphs` can capture once as a CUDA graph and replay.
+
+Speculative step (REFERENCE 2): draft [last, MASK x (B-1)] -> argmax drafts d1..d(B-1); verify
+[last, d1..] in one target forward; the target's choice c_k at each block position (argmax, or its
+sample at temperature > 0); accept the longest prefix with d_k == c_(k-1), plus c_n as the bonus token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .drafter import DFlashDrafter, DrafterContext, propose
+from .features import FeatureStore
+from .sampling import SamplingParams, choose
+
+
+class StepState:
+    """Inputs and outputs of the step functions, on the device."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        long = dict(dtype=torch.long, device=device)
+        self.start = torch.zeros((), **long)  # positions processed by the target (KV and features exist)
+        self.last = torch.zeros(1, **long)  # newest committed token, the next block's first token
+        self.seed = torch.zeros((), **long)
+        self.drafts = torch.zeros(max(block_size - 1, 1), **long)
+        self.result = torch.zeros(block_size + 1, **long)  # [accepted drafts, committed tokens...]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.start, self.last, self.seed, self.drafts, self.result]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [b.clone() for b in self.buffers()]
+
+    def restore(self, snapshot: list[torch.Tensor]) -> None:
+        for buffer, saved in zip(self.buffers(), snapshot):
+            buffer.copy_(saved)
+
+
+class Steps:
+    def __init__(self, target, cache, state: StepState, drafter: DFlashDrafter | None = None,
+                 features: FeatureStore | None = None, context: DrafterContext | None = None):
+        self.target, self.cache, self.state = target, cache, state
+        self.drafter, self.features, self.context = drafter, features, context
+        self.taps = drafter.cfg.target_layer_ids if drafter is not None else ()
+
+    def prefill(self, ids: torch.Tensor, chunk: int, params: SamplingParams) -> None:
+        """Run the prompt in chunks, capturing features; choose the first new token. Eager (host shapes)."""
+        n = ids.shape[0]
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            positions = torch.arange(lo, hi, device=ids.device)
+            logits, feats = self.target(ids[None, lo:hi], positions, self.cache, hi, capture=self.taps,
+                                        logits="last" if hi == n else "none")
+            self._commit(positions, feats)
+        token = choose(logits[0], torch.tensor([n], device=ids.device), params, self.state.seed)
+        self.state.start.fill_(n)
+        self.state.last.copy_(token)
+        self.state.result[0] = 0
+        self.state.result[1:2].copy_(token)
+
+    def plain(self, kv_len: int, params: SamplingParams) -> None:
+        """One target forward over the last token; features still captured so drafting can resume."""
+        s = self.state
+        pos = s.start.view(1)
+        logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
+        token = choose(logits[0], pos + 1, params, s.seed)
+        self._commit(pos, feats)
+        s.result[0] = 0
+        s.result[1:2].copy_(token)
+        s.last.copy_(token)
+        s.start += 1
+
+    def draft(self, size: int) -> None:
+        s = self.state
+        q_pos = s.start + torch.arange(size, device=s.start.device)
+        s.drafts[: size - 1].copy_(propose(self.drafter, self.target, self.context, s.last, q_pos))
+
+    def verify(self, size: int, kv_len: int, params: SamplingParams) -> None:
+        s = self.state
+        q_pos = s.start + torch.arange(size, device=s.start.device)
+        drafts = s.drafts[: size - 1]
+        block = torch.cat([s.last, drafts])[None]
+        logits, feats = self.target(block, q_pos, self.cache, kv_len, capture=self.taps)
+        choices = choose(logits[0], q_pos + 1, params, s.seed)
+        accepted = (drafts == choices[:-1]).cumprod(0).sum()
+        self.cache.keep(accepted + 1)
+        # features of the whole block go in; positions past the accepted prefix stay invisible to the
+        # drafter (masks admit only positions < start) until a later step commits and rewrites them
+        self._commit(q_pos, feats)
+        s.result[0] = accepted
+        s.result[1 : size + 1].copy_(choices)
+        s.last.copy_(choices.gather(0, accepted.view(1)))  # gather, not choices[accepted]: no host sync
+        s.start += accepted + 1
+
+    def _commit(self, positions: torch.Tensor, feats: torch.Tensor | None) -> None:
+        if self.features is None:
+            return
+        kept, rows = self.features.commit(positions, feats.reshape(-1, feats.shape[-1]))
+        self.context.append(kept, rows)

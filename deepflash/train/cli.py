@@ -1,0 +1,110 @@
+"""deepflash train-drafter generate | train | export."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("train-drafter", help="train a DFlash drafter for a target")
+    steps = parser.add_subparsers(dest="stage", required=True)
+
+    gen = steps.add_parser("generate", help="chat prompts from local package sources, answered by the target")
+    _common(gen)
+    gen.add_argument("--out", required=True, help="folder for the token shards")
+    gen.add_argument("--count", type=int, default=3000, help="number of prompts")
+    gen.add_argument("--long-fraction", type=float, default=0.45, help="share of long-context prompts")
+    gen.add_argument("--max-new-tokens", type=int, default=512)
+    gen.add_argument("--max-len", type=int, help="longest prompt + response (default: the target's context)")
+    gen.add_argument("--sampled-fraction", type=float, default=0.3, help="share answered at temperature 0.8")
+    gen.add_argument("--batch-tokens", type=int, default=400_000, help="padded tokens per generation batch")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=cmd_generate)
+
+    train = steps.add_parser("train", help="train on generated shards; exports RUN/drafter at the end")
+    _common(train)
+    train.add_argument("--data", required=True)
+    train.add_argument("--out", required=True, help="run folder (checkpoint, train.jsonl, drafter/)")
+    train.add_argument("--layers", type=int, default=3)
+    train.add_argument("--taps", type=int, default=5, help="number of target layers to read features from")
+    train.add_argument("--block-size", type=int, default=16)
+    train.add_argument("--layer-types", help="comma list of full|sliding per layer (default: all full)")
+    train.add_argument("--sliding-window", type=int, default=2048)
+    train.add_argument("--intermediate-size", type=int)
+    train.add_argument("--mask-token-id", type=int)
+    train.add_argument("--anchors", type=int, default=256, help="anchor blocks per sequence")
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--steps", type=int)
+    train.add_argument("--max-minutes", type=float)
+    train.add_argument("--batch-tokens", type=int, default=16384)
+    train.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true")
+    train.set_defaults(func=cmd_train)
+
+    export = steps.add_parser("export", help="export a run's latest checkpoint in the z-lab format")
+    export.add_argument("--run", required=True)
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=cmd_export)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target (default: the embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+
+
+def _load(args):
+    from ..models import load_target
+    from ..runtime import resolve_device, resolve_dtype
+    from ..tokenizer import load_tokenizer
+
+    device = resolve_device(args.device)
+    target, folder = load_target(args.model, device, resolve_dtype(args.dtype, device))
+    return target, load_tokenizer(folder), device
+
+
+def cmd_generate(args) -> None:
+    from .datagen import build_dataset
+    from .prompts import training_tasks
+
+    target, tokenizer, _ = _load(args)
+    tasks = training_tasks(args.count, args.long_fraction, args.seed)
+    summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
+                            max_len=args.max_len or target.cfg.max_position_embeddings,
+                            batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)
+    print(json.dumps(summary))
+
+
+def cmd_train(args) -> None:
+    from .trainer import TrainConfig, Trainer
+
+    types = tuple(t.strip() for t in args.layer_types.split(",")) if args.layer_types else ()
+    tc = TrainConfig(data=args.data, out=args.out, model=args.model, layers=args.layers, taps=args.taps,
+                     block_size=args.block_size, layer_types=types, sliding_window=args.sliding_window,
+                     intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
+                     anchors=args.anchors, lr=args.lr, steps=args.steps, max_minutes=args.max_minutes,
+                     batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
+                     device=args.device)
+    target, tokenizer, device = _load(args)
+    folder = Trainer(tc, target, tokenizer, device).run()
+    print(json.dumps({"drafter": str(folder)}))
+
+
+def cmd_export(args) -> None:
+    import torch
+
+    from ..config import DrafterConfig
+    from ..drafter import DFlashDrafter, save_drafter
+
+    path = Path(args.run) / "checkpoint.pt"
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    drafter = DFlashDrafter(DrafterConfig.from_hf(state["config"]))
+    drafter.load_state_dict(state["drafter"])
+    print(json.dumps({"drafter": str(save_drafter(drafter, args.out))}))

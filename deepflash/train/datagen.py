@@ -1,0 +1,117 @@
+"""Training data: the target answers the prompts itself, in its serving chat template, batched.
+
+Prompts of similar length are batched together, left-padded (a key mask hides the padding; rope is
+relative, so shifted positions do not change the results) and decoded in lockstep until every row has
+ended or reached max_new_tokens. A fraction of the prompts is answered with sampling, so the drafter
+also sees the target's less likely continuations.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from ..progress import bar
+from ..sampling import SamplingParams, choose
+from .prompts import Task
+from .shards import Sequence, write_shard
+
+
+@torch.no_grad()
+def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: frozenset[int],
+                   params: SamplingParams, seeds: list[int], prefill_chunk: int = 512) -> list[list[int]]:
+    """Greedy or sampled continuations of left-padded prompts; each ends at its first stop token
+    (included) or after max_new tokens."""
+    device = target.device
+    b, longest = len(prompts), max(len(p) for p in prompts)
+    total = longest + max_new
+    tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
+    key_mask = torch.zeros(b, total, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, longest - len(p) :] = torch.tensor(p, device=device)
+        key_mask[i, longest - len(p) :] = True
+    cache = target.new_cache(b, total)
+    for lo in range(0, longest, prefill_chunk):
+        hi = min(longest, lo + prefill_chunk)
+        logits, _ = target(tokens[:, lo:hi], torch.arange(lo, hi, device=device), cache, hi, key_mask=key_mask,
+                           logits="last" if hi == longest else "none")
+    seed = torch.tensor(seeds, device=device)
+    out = torch.zeros(b, max_new, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    stops = torch.tensor(sorted(stop_ids), device=device)
+    for step in range(max_new):
+        pos = longest + step
+        nxt = choose(logits[:, -1], torch.full((b,), pos, device=device), params, seed)
+        out[:, step] = nxt
+        done |= torch.isin(nxt, stops)
+        if step % 16 == 15 and bool(done.all()):  # a host check now and then, not every token
+            break
+        logits, _ = target(nxt[:, None], torch.tensor([pos], device=device), cache, pos + 1, key_mask=key_mask)
+    return [_until_stop(row, stop_ids) for row in out.tolist()]
+
+
+def _until_stop(row: list[int], stop_ids: frozenset[int]) -> list[int]:
+    for i, t in enumerate(row):
+        if t in stop_ids:
+            return row[: i + 1]
+    return row
+
+
+def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_tokens: int = 512,
+                  max_len: int = 8192, batch_tokens: int = 400_000, max_batch: int = 256, sampled_fraction: float = 0.3,
+                  temperature: float = 0.8, shard_size: int = 500, seed: int = 0) -> dict:
+    """Generate responses for `tasks` and write shards to `out`; returns counts for the log."""
+    rng = random.Random(seed)
+    stop_ids = tokenizer.stop_ids(target.cfg.eos_token_ids)
+    items = []
+    for task in tasks:
+        ids = tokenizer.chat(task.messages)
+        if len(ids) + 16 <= max_len:
+            items.append((ids, rng.random() < sampled_fraction, rng.getrandbits(31)))
+    items.sort(key=lambda item: (item[1], len(item[0])))
+    batches = _batches(items, max_new_tokens, max_len, batch_tokens, max_batch)
+    meta = {"chat_template": tokenizer.hf.chat_template, "vocab_size": target.cfg.vocab_size,
+            "max_len": max_len, "max_new_tokens": max_new_tokens}
+    sequences: list[Sequence] = []
+    shards = generated = 0
+    with bar() as display:
+        task_id = display.add_task("generating responses", total=len(items))
+        for batch in batches:
+            sampled = batch[0][1]
+            params = SamplingParams(temperature=temperature if sampled else 0.0, seed=0).validated()
+            room = min(max_new_tokens, max_len - max(len(i[0]) for i in batch))
+            replies = generate_batch(target, [i[0] for i in batch], room, stop_ids, params, [i[2] for i in batch])
+            for (ids, _, _), reply in zip(batch, replies):
+                tokens = torch.tensor(ids + reply)
+                mask = torch.zeros(len(tokens), dtype=torch.bool)
+                mask[len(ids) :] = True
+                sequences.append(Sequence(tokens, mask))
+                generated += len(reply)
+            while len(sequences) >= shard_size:
+                write_shard(out / f"shard-{shards:04d}.safetensors", sequences[:shard_size], meta)
+                sequences, shards = sequences[shard_size:], shards + 1
+            display.advance(task_id, len(batch))
+    if sequences:
+        write_shard(out / f"shard-{shards:04d}.safetensors", sequences, meta)
+        shards += 1
+    summary = {"sequences": len(items), "generated_tokens": generated, "shards": shards}
+    (out / "summary.json").write_text(json.dumps(summary | meta, indent=2))
+    return summary
+
+
+def _batches(items, max_new: int, max_len: int, batch_tokens: int, max_batch: int):
+    """Consecutive runs of (sorted) items whose padded length x count stays within batch_tokens."""
+    batches, current = [], []
+    for item in items:
+        width = min(len(item[0]) + max_new, max_len)
+        fits = (len(current) + 1) * width <= batch_tokens and len(current) < max_batch
+        if current and (not fits or current[0][1] != item[1]):
+            batches.append(current)
+            current = []
+        current.append(item)
+    if current:
+        batches.append(current)
+    return batches

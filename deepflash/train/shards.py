@@ -1,0 +1,80 @@
+"""Token shards: target-generated conversations as flat token arrays with a loss mask.
+
+One shard is a safetensors file with `tokens` (int32, all sequences back to back), `loss_mask`
+(uint8, 1 on response tokens) and `offsets` (int64, S+1 boundaries); metadata says which target and
+chat template made it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [L] int64
+    loss_mask: torch.Tensor  # [L] bool, True on response tokens
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def write_shard(path: Path, sequences: list[Sequence], meta: dict) -> None:
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tensors = {
+        "tokens": torch.cat([s.tokens for s in sequences]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask for s in sequences]).to(torch.uint8),
+        "offsets": offsets,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"deepflash": json.dumps(meta)})
+
+
+def read_shard(path: Path) -> tuple[list[Sequence], dict]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["deepflash"])
+        tokens, mask, offsets = (f.get_tensor(n) for n in ("tokens", "loss_mask", "offsets"))
+    bounds = offsets.tolist()
+    seqs = [Sequence(tokens[a:b].long(), mask[a:b].bool()) for a, b in zip(bounds, bounds[1:])]
+    return seqs, meta
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    paths = sorted(Path(folder).glob("shard-*.safetensors"))
+    if not paths:
+        from ..errors import UserError
+
+        raise UserError(f"no shard-*.safetensors in {folder}; run `deepflash train-drafter generate` first")
+    return paths
+
+
+def read_all(folder: Path) -> tuple[list[Sequence], dict]:
+    seqs, meta = [], {}
+    for path in shard_paths(folder):
+        part, meta = read_shard(path)
+        seqs.extend(part)
+    return seqs, meta
+
+
+def iter_batches(seqs: list[Sequence], batch_tokens: int, generator: torch.Generator) -> Iterator[list[Sequence]]:
+    """One epoch: sequences of similar length grouped so that a batch holds about batch_tokens padded
+    tokens (long ones alone), batches in random order."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches, current = [], []
+    for i in order:
+        if current and len(seqs[i]) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(seqs[i])
+    if current:
+        batches.append(current)
+    for j in torch.randperm(len(batches), generator=generator).tolist():
+        yield batches[j]

@@ -1,0 +1,378 @@
+"""Drafter training (REFERENCE 4): frozen target features, packed anchor blocks, decay-weighted CE.
+
+Per sequence: the frozen target computes the tap-layer features of every position; A anchors are
+drawn on response tokens; anchor a gets the block [token_a, MASK x (B-1)] at positions a..a+B-1,
+context = features strictly before a, blocks isolated from each other, all in one packed forward
+(masks.py). Block position k is trained against the token at a + k (same-position labels) with weight
+exp(-(k-1)/gamma). AdamW, warmup then cosine over the step or time budget, gradient clipping, bf16
+autocast, checkpoint/resume, JSON-lines log, export in the z-lab format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import DrafterConfig, default_target_layer_ids
+from ..drafter import DFlashDrafter, save_drafter
+from ..errors import UserError
+from ..models import init_random_
+from ..progress import bar, stderr
+from .masks import default_gamma, loss_weights, query_layout, training_mask, training_mask_mod
+from .shards import Sequence, iter_batches, read_all
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    model: str | None = None
+    layers: int = 3
+    taps: int = 5
+    block_size: int = 16
+    layer_types: tuple[str, ...] = ()  # empty: all full_attention
+    sliding_window: int = 2048
+    intermediate_size: int | None = None  # default: the target's
+    mask_token_id: int | None = None  # default: picked from the tokenizer's special tokens
+    anchors: int = 256
+    lr: float = 6e-4
+    warmup: float = 0.04
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    steps: int | None = None
+    max_minutes: float | None = None
+    batch_tokens: int = 16384
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    ckpt_every: int = 200
+    eval_fraction: float = 0.02
+    attention: str = "auto"  # auto | flex | sdpa
+    device: str = "auto"
+    resume: bool = False
+
+    def validated(self) -> TrainConfig:
+        if self.steps is None and self.max_minutes is None:
+            raise UserError("give a budget: --steps N and/or --max-minutes M")
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise UserError(f"--attention must be auto, flex or sdpa, got {self.attention!r}")
+        if self.block_size < 2:
+            raise UserError("--block-size must be at least 2 for training")
+        if self.layer_types and len(self.layer_types) != self.layers:
+            raise UserError(f"--layer-types lists {len(self.layer_types)} layers, --layers is {self.layers}")
+        return self
+
+
+@dataclass
+class Progress:
+    """Where a run is; saved in checkpoints."""
+
+    step: int = 0
+    elapsed: float = 0.0
+    tokens: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+def pick_mask_token(tokenizer, stop_ids: frozenset[int]) -> int:
+    """A token whose frozen embedding stands for "masked": a dedicated mask token if the vocabulary
+    has one, else the highest-id special token that is not a stop/bos token (rarely used)."""
+    added = tokenizer.hf.get_added_vocab()
+    for text, idx in added.items():
+        if "mask" in text.lower():
+            return idx
+    specials = sorted(i for t, i in added.items() if i not in stop_ids and t != tokenizer.hf.bos_token)
+    if not specials:
+        raise UserError("the tokenizer has no spare special token to use as the mask; pass --mask-token-id")
+    return specials[-1]
+
+
+def drafter_config_for(target_cfg, tc: TrainConfig, mask_token: int, trained_ctx: int) -> DrafterConfig:
+    types = [{"full": "full_attention", "sliding": "sliding_attention"}.get(t, t) for t in tc.layer_types] or \
+        ["full_attention"] * tc.layers
+    return DrafterConfig.from_hf({
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": target_cfg.hidden_size,
+        "intermediate_size": tc.intermediate_size or target_cfg.intermediate_size,
+        "num_hidden_layers": tc.layers,
+        "num_attention_heads": target_cfg.num_heads,
+        "num_key_value_heads": target_cfg.num_kv_heads,
+        "head_dim": target_cfg.head_dim,
+        "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": target_cfg.rope.theta,
+        "rope_scaling": None if target_cfg.rope.kind == "default" else target_cfg.rope.to_hf(),
+        "layer_types": types,
+        "sliding_window": tc.sliding_window,
+        "block_size": tc.block_size,
+        "num_target_layers": target_cfg.num_layers,
+        "vocab_size": target_cfg.vocab_size,
+        "max_position_embeddings": target_cfg.max_position_embeddings,
+        "tie_word_embeddings": target_cfg.tie_word_embeddings,
+        "dflash_config": {"mask_token_id": mask_token, "block_size": tc.block_size,
+                          "target_layer_ids": list(default_target_layer_ids(target_cfg.num_layers, tc.taps)),
+                          "trained_context_length": trained_ctx},
+    })
+
+
+def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `count` sorted anchor positions on response tokens that have at least one label after them."""
+    candidates = torch.nonzero(seq.loss_mask[:-1]).flatten()
+    if candidates.numel() > count:
+        candidates = candidates[torch.randperm(candidates.numel(), generator=generator)[:count]].sort().values
+    return candidates
+
+
+def block_loss(drafter: DFlashDrafter, target, tokens, feats, loss_mask, anchors, weights, attention: str):
+    """Decay-weighted CE of one sequence's packed anchor blocks; returns (loss, weight sum, per-k hits, per-k counts)."""
+    cfg = drafter.cfg
+    size, seq_len = cfg.block_size, tokens.shape[0]
+    device = tokens.device
+    ctx = drafter.fuse(feats[None])
+    ctx_kv = drafter.context_kv(ctx, torch.arange(seq_len, device=device))
+    block_id, offset, q_pos = query_layout(anchors, size)
+    block = torch.where(offset == 0, tokens[anchors[block_id]], cfg.mask_token_id)
+    x = drafter.block_embeddings(target.model.embed_tokens, block[None])
+    masks = _layer_masks(cfg, anchors, seq_len, attention)
+    hidden = drafter(x, q_pos, ctx_kv, masks)[0].view(anchors.shape[0], size, -1)[:, 1:]
+    label_pos = anchors[:, None] + torch.arange(1, size, device=device)
+    valid = label_pos < seq_len
+    label_pos = label_pos.clamp(max=seq_len - 1)
+    valid &= loss_mask[label_pos]
+    labels = tokens[label_pos]
+    logits = drafter.logits(hidden, target.lm_head)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    w = weights[None, :] * valid
+    hits = ((logits.argmax(-1) == labels) & valid).sum(0)
+    return (ce * w).sum(), w.sum(), hits, valid.sum(0)
+
+
+def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str) -> list:
+    made: dict = {}
+    out = []
+    for i in range(cfg.num_layers):
+        key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+        if key not in made:
+            if attention == "flex":
+                from .flex import block_mask_for
+
+                q = anchors.shape[0] * cfg.block_size
+                made[key] = block_mask_for(training_mask_mod(anchors, seq_len, cfg.block_size, *key), q, seq_len + q,
+                                           anchors.device)
+            else:
+                made[key] = training_mask(anchors, seq_len, cfg.block_size, *key)
+        out.append(made[key])
+    return out
+
+
+class Trainer:
+    def __init__(self, tc: TrainConfig, target, tokenizer, device: torch.device):
+        self.tc, self.target, self.device = tc.validated(), target, device
+        seqs, self.data_meta = read_all(Path(tc.data))
+        gen = torch.Generator().manual_seed(tc.seed)
+        order = torch.randperm(len(seqs), generator=gen).tolist()
+        n_eval = max(1, int(len(seqs) * tc.eval_fraction)) if len(seqs) > 1 else 0
+        self.eval_seqs = [seqs[i] for i in order[:n_eval]]
+        self.train_seqs = [seqs[i] for i in order[n_eval:]] or self.eval_seqs
+        trained_ctx = int(self.data_meta.get("max_len") or max(len(s) for s in seqs))
+        mask = tc.mask_token_id if tc.mask_token_id is not None else \
+            pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
+        self.cfg = drafter_config_for(target.cfg, tc, mask, trained_ctx)
+        self.drafter = init_random_(DFlashDrafter(self.cfg), tc.seed).to(device)
+        self.weights = loss_weights(tc.block_size, tc.gamma or default_gamma(tc.block_size)).to(device)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95),
+                                     weight_decay=tc.weight_decay)
+        self.progress = Progress()
+        self.generator = torch.Generator().manual_seed(tc.seed + 1)
+        self.attention = self._choose_attention()
+        self.out = Path(tc.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if tc.resume:
+            self._load_checkpoint()
+
+    # --- budget and schedule ------------------------------------------------------------------------
+    def fraction_done(self) -> float:
+        tc, p = self.tc, self.progress
+        parts = []
+        if tc.steps:
+            parts.append(p.step / tc.steps)
+        if tc.max_minutes:
+            parts.append(p.elapsed / (tc.max_minutes * 60))
+        return max(parts)
+
+    def lr_now(self) -> float:
+        """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr_ratio."""
+        tc, done = self.tc, self.fraction_done()
+        if done < tc.warmup:
+            return tc.lr * max(done / tc.warmup, 0.01)
+        t = min(1.0, (done - tc.warmup) / max(1e-9, 1 - tc.warmup))
+        return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    # --- one step -----------------------------------------------------------------------------------
+    def _features(self, batch: list[Sequence]) -> torch.Tensor:
+        """Tap-layer features of right-padded sequences (padding after a sequence cannot affect it)."""
+        longest = max(len(s) for s in batch)
+        tokens = torch.zeros(len(batch), longest, dtype=torch.long, device=self.device)
+        for i, s in enumerate(batch):
+            tokens[i, : len(s)] = s.tokens.to(self.device)
+        with torch.no_grad(), self._autocast():
+            cache = self.target.new_cache(len(batch), longest)
+            _, feats = self.target(tokens, torch.arange(longest, device=self.device), cache, longest,
+                                   capture=self.cfg.target_layer_ids, logits="none")
+        return feats
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def batch_loss(self, batch: list[Sequence], attention: str | None = None, train: bool = True):
+        feats = self._features(batch)
+        total = torch.zeros((), device=self.device)
+        weight = torch.zeros((), device=self.device)
+        hits = torch.zeros(self.cfg.block_size - 1, device=self.device)
+        counts = torch.zeros_like(hits)
+        for i, seq in enumerate(batch):
+            anchors = sample_anchors(seq, self.tc.anchors, self.generator).to(self.device)
+            if anchors.numel() == 0:
+                continue
+            with self._autocast(), torch.set_grad_enabled(train):
+                loss, w, h, c = block_loss(self.drafter, self.target, seq.tokens.to(self.device), feats[i, : len(seq)],
+                                           seq.loss_mask.to(self.device), anchors, self.weights,
+                                           attention or self.attention)
+            if train:
+                (loss / len(batch)).backward()  # free each sequence's graph before the next
+            total += loss.detach()
+            weight += w.detach()
+            hits += h
+            counts += c
+        return total / weight.clamp(min=1), hits / counts.clamp(min=1)
+
+    def step(self, batch: list[Sequence]) -> dict:
+        began = time.perf_counter()
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_now()
+        self.opt.zero_grad(set_to_none=True)
+        loss, acc = self.batch_loss(batch)
+        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.tc.grad_clip)
+        self.opt.step()
+        p = self.progress
+        p.step += 1
+        tokens = sum(len(s) for s in batch)
+        p.tokens += tokens
+        seconds = time.perf_counter() - began
+        p.elapsed += seconds
+        return {"step": p.step, "loss": float(loss), "acc": [round(float(a), 4) for a in acc],
+                "grad_norm": float(norm), "lr": self.lr_now(), "tok_per_s": tokens / seconds,
+                "elapsed_s": round(p.elapsed, 1)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.drafter.eval()
+        losses, accs = [], []
+        for seq in self.eval_seqs[:32]:
+            loss, acc = self.batch_loss([seq], attention="sdpa" if self.device.type == "cpu" else None, train=False)
+            losses.append(float(loss))
+            accs.append(acc)
+        self.drafter.train()
+        acc = torch.stack(accs).mean(0) if accs else torch.zeros(self.cfg.block_size - 1)
+        # expected accepted drafts if position k is accepted with the product of the first k accuracies
+        expected_al = 1 + float(torch.cumprod(acc, 0).sum())
+        return {"eval_loss": sum(losses) / max(1, len(losses)), "eval_acc": [round(float(a), 4) for a in acc],
+                "eval_expected_al": round(expected_al, 3)}
+
+    # --- loop -------------------------------------------------------------------------------------
+    def run(self) -> Path:
+        from rich.progress import TextColumn
+
+        log = (self.out / "train.jsonl").open("a")
+        self.drafter.train()
+        with bar(TextColumn("{task.fields[info]}")) as display:
+            task = display.add_task("training drafter", total=1000, info="")
+            while self.fraction_done() < 1.0:
+                for batch in iter_batches(self.train_seqs, self.tc.batch_tokens, self.generator):
+                    record = self.step(batch)
+                    p = self.progress
+                    if p.step % self.tc.log_every == 0 or p.step == 1:
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
+                    display.update(task, completed=int(1000 * min(1.0, self.fraction_done())),
+                                   info=f"loss {record['loss']:.3f} acc1 {record['acc'][0]:.2f} "
+                                        f"tok/s {record['tok_per_s']:.0f}")
+                    if p.step % self.tc.eval_every == 0:
+                        self._log_eval(log)
+                    if p.step % self.tc.ckpt_every == 0:
+                        self._save_checkpoint()
+                    if self.fraction_done() >= 1.0:
+                        break
+        self._log_eval(log)
+        self._save_checkpoint()
+        log.close()
+        return self.export(self.out / "drafter")
+
+    def _log_eval(self, log) -> None:
+        record = {"step": self.progress.step, **self.evaluate()}
+        self.progress.history.append(record)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        stderr.print(f"step {record['step']}: eval loss {record['eval_loss']:.3f}, "
+                     f"acc@1 {record['eval_acc'][0]:.3f}, expected AL {record['eval_expected_al']}")
+
+    def export(self, folder: Path) -> Path:
+        save_drafter(self.drafter, folder, dtype=torch.bfloat16)
+        summary = {"train_config": asdict(self.tc), "steps": self.progress.step, "tokens": self.progress.tokens,
+                   "elapsed_s": round(self.progress.elapsed, 1), "data": self.data_meta.get("summary"),
+                   "last_eval": self.progress.history[-1] if self.progress.history else None}
+        (folder / "training.json").write_text(json.dumps(summary, indent=2, default=str))
+        return folder
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        path = self.out / "checkpoint.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save({"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
+                    "progress": asdict(self.progress), "config": self.cfg.to_hf(),
+                    "generator": self.generator.get_state()}, tmp)
+        tmp.replace(path)
+
+    def _load_checkpoint(self) -> None:
+        path = self.out / "checkpoint.pt"
+        if not path.is_file():
+            raise UserError(f"--resume: no checkpoint at {path}")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        saved = DrafterConfig.from_hf(state["config"])
+        if saved != self.cfg:
+            raise UserError(f"--resume: the checkpoint in {path} was made with a different drafter config")
+        self.drafter.load_state_dict(state["drafter"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.progress = Progress(**state["progress"])
+        self.generator.set_state(state["generator"])
+
+    def _choose_attention(self) -> str:
+        """flex_attention on CUDA when it works and agrees with the explicit mask; the explicit mask
+        elsewhere. A flex failure in auto mode is reported, never hidden."""
+        tc = self.tc
+        if tc.attention == "sdpa" or (tc.attention == "auto" and self.device.type != "cuda"):
+            return "sdpa"
+        probe = self.train_seqs[:1]
+        try:
+            with torch.no_grad():
+                state = self.generator.get_state()
+                flex, _ = self.batch_loss(probe, attention="flex", train=False)
+                self.generator.set_state(state)
+                ref, _ = self.batch_loss(probe, attention="sdpa", train=False)
+                self.generator.set_state(state)
+        except Exception as err:  # noqa: BLE001 - reported loudly below
+            if tc.attention == "flex":
+                raise
+            stderr.print(f"[yellow]flex_attention unavailable ({type(err).__name__}: {err}); "
+                         "training with the explicit-mask path[/yellow]")
+            return "sdpa"
+        if abs(float(flex) - float(ref)) > 1e-2 * max(1.0, abs(float(ref))):
+            raise RuntimeError(f"flex_attention loss {float(flex)} disagrees with the explicit mask {float(ref)}")
+        return "flex"
+

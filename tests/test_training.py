@@ -1,0 +1,117 @@
+"""Drafter training on a tiny random target: masks against a naive rule, labels and weights, a few
+steps lower the loss, and the exported drafter loads and keeps the greedy contract."""
+
+import json
+
+import pytest
+import torch
+
+from deepflash.drafter import load_drafter
+from deepflash.engine import Engine
+from deepflash.sampling import SamplingParams
+from deepflash.train.datagen import build_dataset, generate_batch
+from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
+from deepflash.train.prompts import Task
+from deepflash.train.shards import read_all
+from deepflash.train.trainer import TrainConfig, Trainer
+from helpers import tiny_target, tiny_tokenizer
+
+
+def naive_allowed(anchors, seq_len, block, causal, window, q, kv):
+    """The rule of REFERENCE 4, one query/key pair at a time."""
+    a, k = divmod(q, block)
+    q_position = anchors[a] + k
+    if kv < seq_len:  # context: strictly before the anchor (and inside a sliding window)
+        return kv < anchors[a] and (window is None or q_position - kv < window)
+    b, k2 = divmod(kv - seq_len, block)
+    if b != a:  # blocks never see each other
+        return False
+    if causal and k2 > k:
+        return False
+    return window is None or abs(k - k2) < window
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3), (False, 5)])
+def test_training_mask_equals_naive_rule(causal, window):
+    anchors, seq_len, block = torch.tensor([0, 3, 4, 9]), 12, 4
+    mask = training_mask(anchors, seq_len, block, causal, window)
+    mod = training_mask_mod(anchors, seq_len, block, causal, window)
+    for q in range(mask.shape[0]):
+        for kv in range(mask.shape[1]):
+            want = naive_allowed(anchors.tolist(), seq_len, block, causal, window, q, kv)
+            assert bool(mask[q, kv]) == want, (q, kv)
+            assert bool(mod(0, 0, torch.tensor(q), torch.tensor(kv))) == want, (q, kv)
+
+
+def test_decay_weights_start_at_one():
+    w = loss_weights(16, default_gamma(16))
+    assert w.shape == (15,) and w[0] == 1.0 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0)))
+    assert default_gamma(10) == 5 and default_gamma(8) == 4
+
+
+def test_batched_generation_matches_one_by_one():
+    target = tiny_target(dtype=torch.float32)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    from deepflash.sampling import SamplingParams as SP
+
+    greedy = SP().validated()
+    batch = generate_batch(target, prompts, 6, frozenset({1}), greedy, [0, 0, 0])
+    tok = tiny_tokenizer()
+    for p, got in zip(prompts, batch):
+        engine = Engine(target, tok)
+        engine.stop_ids = frozenset({1})
+        assert got == engine.complete(p, SamplingParams(max_new_tokens=6)).token_ids
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    target = tiny_target(dtype=torch.float32)
+    tok = tiny_tokenizer()
+    rng = torch.Generator().manual_seed(0)
+    tasks = [Task("test", "x", [{"role": "user", "content": " ".join(f"w{int(i)}" for i in
+                                                                   torch.randint(5, 90, (n,), generator=rng))}])
+             for n in [20, 35, 50, 12, 60, 40, 25, 45]]
+    out = tmp_path_factory.mktemp("data")
+    summary = build_dataset(target, tok, tasks, out, max_new_tokens=40, max_len=160, sampled_fraction=0.5,
+                            shard_size=3)
+    return target, tok, out, summary
+
+
+def test_dataset_shards_hold_prompt_and_response(dataset):
+    target, tok, out, summary = dataset
+    seqs, meta = read_all(out)
+    assert len(seqs) == 8 and summary["shards"] == 3 and meta["max_len"] == 160
+    for s in seqs:
+        first = int(torch.nonzero(s.loss_mask)[0])
+        assert s.loss_mask[first:].all() and not s.loss_mask[:first].any()
+
+
+def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
+    target, tok, data, _ = dataset
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4, anchors=16,
+                     steps=40, lr=3e-3, batch_tokens=400, eval_every=1000, ckpt_every=20, log_every=1,
+                     eval_fraction=0.25, attention="sdpa", mask_token_id=95)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    first = trainer.evaluate()["eval_loss"]
+    folder = trainer.run()
+    last = trainer.progress.history[-1]["eval_loss"]
+    assert last < first - 0.3, (first, last)
+    log = [json.loads(l) for l in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
+    assert log[0]["step"] == 1 and "acc" in log[0] and log[-1]["eval_expected_al"] >= 1
+    drafter = load_drafter(folder)
+    assert drafter.cfg.trained_context_length == 160 and drafter.cfg.block_size == 4
+    prompt = [5, 9, 22, 31]
+    params = SamplingParams(max_new_tokens=20)
+    spec = Engine(target, tok, drafter, spec="on").complete(prompt, params)
+    assert spec.token_ids == Engine(target, tok).complete(prompt, params).token_ids
+
+
+def test_resume_continues_from_the_checkpoint(dataset, tmp_path):
+    target, tok, data, _ = dataset
+    base = dict(data=str(data), out=str(tmp_path / "run"), layers=1, taps=1, block_size=4, anchors=8, lr=1e-3,
+                batch_tokens=400, eval_every=1000, ckpt_every=5, attention="sdpa", mask_token_id=95)
+    Trainer(TrainConfig(**base, steps=5), target, tok, torch.device("cpu")).run()
+    resumed = Trainer(TrainConfig(**base, steps=8, resume=True), target, tok, torch.device("cpu"))
+    assert resumed.progress.step >= 5
+    resumed.run()
+    assert resumed.progress.step == 8
