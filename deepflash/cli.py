@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
 
+    from .bench.cli import register as register_bench
+    from .server import register as register_serve
+    from .train.cli import register as register_training
+
+    register_serve(sub)
+    register_bench(sub)
+    register_training(sub)
     return parser
 
 

@@ -12,19 +12,18 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .models.layers import MLP, RMSNorm, Rotary, apply_rotary
+from .models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention
 
 
 def attend(q, k, v, mask):
     """Attention with an explicit boolean mask (SDPA) or a flex_attention BlockMask (training on CUDA)."""
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return attention(q, k, v, mask)
     from .train.flex import flex_attend
 
     return flex_attend(q, k, v, mask)

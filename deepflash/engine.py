@@ -127,7 +127,7 @@ class Engine:
         # uncompiled rather than triggering a recompile per size
         self.compiled = {name: torch.compile(getattr(self.steps, name)) for name in ("plain", "draft", "verify")
                          } if compile else {}
-        self.graphs = StepGraphs(self.state, self.device, enabled=cuda_graphs)
+        self.graphs = StepGraphs(self.state, self.device, enabled=cuda_graphs, cache=self.cache)
         pinned = self.device.type == "cuda"
         self.host_result = torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
 
@@ -185,6 +185,7 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")
 
+    @torch.no_grad()
     def _prefill(self, seq: Sequence) -> None:
         if self.steps.features is not None:
             self.steps.features.reset()
@@ -198,6 +199,7 @@ class Engine:
         wanted = seq.params.max_new_tokens - seq.generated
         return min(self.max_ctx - 1 - seq.processed, wanted)
 
+    @torch.no_grad()
     def _launch(self, seq: Sequence, timer: PhaseTimer) -> Launched:
         """Schedule and start one step (plain or speculative) on the device; nothing waits for it."""
         size = min(self.block_size, self._room(seq))

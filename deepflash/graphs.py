@@ -20,8 +20,9 @@ from .spec import StepState
 
 
 class StepGraphs:
-    def __init__(self, state: StepState, device: torch.device, enabled: bool = True):
+    def __init__(self, state: StepState, device: torch.device, enabled: bool = True, cache=None):
         self.state = state
+        self.cache = cache
         self.enabled = enabled and device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -37,15 +38,20 @@ class StepGraphs:
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (allocator and library handles must exist before capture), undo the
-        warm-up's effect on the step state, then capture. The warm-up's cache and ring writes land at
-        positions that are not committed yet, which every reader masks until they are rewritten."""
+        warm-up's effect on the step state and on the cache's recurrent states (cache.volatile()), then
+        capture. The warm-up's KV and ring writes land at positions that are not committed yet, which
+        every reader masks until they are rewritten."""
+        volatile = self.cache.volatile() if self.cache is not None else []
         saved = self.state.snapshot()
+        saved_cache = [t.clone() for t in volatile]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 fn()
                 self.state.restore(saved)
+                for t, old in zip(volatile, saved_cache):
+                    t.copy_(old)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -31,6 +31,11 @@ class KVCache:
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
 
+    def volatile(self) -> list[torch.Tensor]:
+        """Buffers a discarded forward (a graph warm-up) would corrupt: none, rows past the committed
+        length are never read (see module doc). Recurrent caches return their states."""
+        return []
+
     def keep(self, kept: int) -> None:
         """Of the last forward's tokens keep the first `kept`. Attention rows need nothing (see module doc);
         recurrent caches of hybrid models override this."""

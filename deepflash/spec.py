@@ -60,7 +60,7 @@ class Steps:
         token = choose(logits[0], torch.tensor([n], device=ids.device), params, self.state.seed)
         self.state.start.fill_(n)
         self.state.last.copy_(token)
-        self.state.result[0] = 0
+        self.state.result[:1].zero_()
         self.state.result[1:2].copy_(token)
 
     def plain(self, kv_len: int, params: SamplingParams) -> None:
@@ -70,7 +70,7 @@ class Steps:
         logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
         token = choose(logits[0], pos + 1, params, s.seed)
         self._commit(pos, feats)
-        s.result[0] = 0
+        s.result[:1].zero_()  # not result[0] = 0: a host scalar copy cannot be captured in a graph
         s.result[1:2].copy_(token)
         s.last.copy_(token)
         s.start += 1
@@ -92,7 +92,7 @@ class Steps:
         # features of the whole block go in; positions past the accepted prefix stay invisible to the
         # drafter (masks admit only positions < start) until a later step commits and rewrites them
         self._commit(q_pos, feats)
-        s.result[0] = accepted
+        s.result[:1].copy_(accepted.view(1))
         s.result[1 : size + 1].copy_(choices)
         s.last.copy_(choices.gather(0, accepted.view(1)))  # gather, not choices[accepted]: no host sync
         s.start += accepted + 1

@@ -72,3 +72,21 @@ class Detokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix) :]
+
+
+def word_tokenizer(vocab: int, eos: int = 1) -> Tokenizer:
+    """A word-level tokenizer over 'w0'..'wN' (id `eos` is '<eos>') with a minimal chat template, for
+    random-weight models in tests and cost benchmarks, where no real vocabulary exists."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    del words[f"w{eos}"]
+    words["<eos>"] = eos
+    raw = RawTokenizer(models.WordLevel(words, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="w0")
+    hf.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
+    return Tokenizer(hf)

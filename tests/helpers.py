@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from deepflash.config import DrafterConfig, ModelConfig
 from deepflash.drafter import DFlashDrafter, save_drafter
 from deepflash.models import init_random_, materialize, random_model
-from deepflash.tokenizer import Tokenizer
+from deepflash.tokenizer import Tokenizer, word_tokenizer
 
 VOCAB = 96
 EOS = 1
@@ -19,19 +19,7 @@ EOS = 1
 
 def tiny_tokenizer(vocab: int = VOCAB) -> Tokenizer:
     """Word-level tokenizer over 'w0'..'wN'; id 1 is the end token, with a minimal chat template."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {f"w{i}": i for i in range(vocab)}
-    words["<eos>"] = EOS
-    del words[f"w{EOS}"]
-    raw = RawTokenizer(models.WordLevel(words, unk_token="w0"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="w0")
-    hf.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
-    return Tokenizer(hf)
+    return word_tokenizer(vocab, EOS)
 
 
 def llama_config(**overrides) -> ModelConfig:

@@ -130,3 +130,14 @@ def test_steps_have_no_host_syncs():
     torch._dynamo.reset()
     for fn, args in [(steps.draft, (8,)), (steps.verify, (8, 256, params)), (steps.plain, (256, params))]:
         torch.compile(fn, fullgraph=True, backend="eager")(*args)
+
+
+def test_auto_mode_stops_speculating_with_a_useless_drafter():
+    """On the CPU a verify step costs more than a plain step and random drafts never match: `auto`
+    falls back to plain steps, and the output is still the plain output."""
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    ids = prompt(10)
+    params = SamplingParams(max_new_tokens=60)
+    out = Engine(TARGET, TOKENIZER, drafter, spec="auto").complete(ids, params)
+    assert out.token_ids == plain(ids, params).token_ids
+    assert out.spec.plain_steps > 3 * out.spec.steps

@@ -31,7 +31,7 @@ def fla_available(device: torch.device) -> bool:
 
 
 def recurrent_form(q, k, v, g, beta, state):
-    """Token by token (decode, verify). Returns out [B,H,T,Dv], the final state and the deltas."""
+    """Token by token. Returns out [B,H,T,Dv], the final state and the deltas."""
     outs, deltas = [], []
     for t in range(q.shape[2]):
         state = state * g[:, :, t, None, None].exp()
@@ -44,10 +44,11 @@ def recurrent_form(q, k, v, g, beta, state):
 
 
 def chunked_form(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """Chunks of `chunk` tokens (prefill): inside a chunk the deltas solve one unit lower-triangular
+    """Chunks of `chunk` tokens: inside a chunk the deltas solve one unit lower-triangular
     system (the WY / UT transform), so a chunk costs a few matmuls instead of `chunk` sequential steps.
     Same returns as `recurrent_form`."""
     b, h, t, _ = k.shape
+    chunk = min(chunk, t)  # a short run is one unpadded chunk
     pad = -t % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))  # padded tokens: no decay, no write
@@ -77,14 +78,14 @@ def chunked_form(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, state, torch.cat(deltas, 2)[:, :, :t]
 
 
-def state_after_prefix(state, k, cum, deltas, n: int):
+def state_after_prefix(state, k, cum, deltas, n):
     """The state after the first n tokens of a run that started from `state`:
-    S_n = exp(G_n) S_0 + sum_{j<n} exp(G_n - G_j) k_j delta_j^T with G the inclusive cumsum `cum` of g."""
-    if n == 0:
-        return state
-    last = cum[:, :, n - 1]
-    weighted = k[:, :, :n] * (last[..., None] - cum[:, :, :n]).exp()[..., None]
-    return state * last.exp()[..., None, None] + weighted.transpose(-1, -2) @ deltas[:, :, :n]
+    S_n = exp(G_n) S_0 + sum_{j<n} exp(G_n - G_j) k_j delta_j^T with G the inclusive cumsum `cum` of g.
+    n is an int or a 0-dim device tensor: fixed shapes and no host sync, so CUDA graphs can capture it."""
+    j = torch.arange(cum.shape[-1], device=cum.device)
+    last = torch.where(j == n - 1, cum, 0).sum(-1)  # G_n; 0 for n == 0
+    weights = (last[..., None] - cum).masked_fill(j >= n, float("-inf")).exp()
+    return state * last.exp()[..., None, None] + (k * weights[..., None]).transpose(-1, -2) @ deltas
 
 
 def fla_form(q, k, v, g, beta, state, recurrent: bool):

@@ -15,9 +15,11 @@ from torch import nn
 from ..config import ModelConfig
 from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form
 
-# Runs of at most this many tokens (decode, verify blocks) use the recurrent form, longer ones (prefill)
-# the chunked form. Both are exact; this only picks the faster one.
-RECURRENT_TOKENS = 16
+# fla's fused recurrent kernel (token by token in one launch) takes runs of at most this many tokens
+# (decode, verify blocks), its chunked kernel longer ones (prefill). The torch path loops token by token
+# only for one token: its chunked form is a fixed ~30 kernels for any block, fewer than 16 loop steps
+# (deepflash.bench.hybrid on an H200, a graphed verify of 16 tokens: 5.1 ms chunked, 7.3 ms looped).
+FLA_RECURRENT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,13 @@ class GatedRMSNorm(nn.Module):
         return (x * F.silu(gate.float())).to(dtype)
 
 
+def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv of window [B, C, K-1+T] with weight [C, 1, K] -> [B, C, T]. A K-tap product
+    and sum: F.conv1d's depthwise path is orders of magnitude slower on CPU and no faster on GPU."""
+    taps = window.unfold(-1, weight.shape[-1], 1)  # [B, C, T, K]
+    return (taps * weight[:, None, 0, :]).sum(-1)
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -94,9 +103,12 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         if live is not None:
             x = torch.where(live[..., None], x, 0)  # where, not a product: padding rows may hold NaN
+        conv = cache.conv[self.slot]
+        if t == 1:  # a sequence's first token starts from an empty conv (the cache resets longer runs)
+            conv = conv.masked_fill(cache.fresh, 0)
         # the conv window: the cached last K-1 inputs, then this run's inputs
-        window = torch.cat([cache.conv[self.slot], self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
-        mixed = F.silu(self.conv1d(window)).transpose(1, 2)
+        window = torch.cat([conv, self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
+        mixed = F.silu(depthwise_conv(window, self.conv1d.weight)).transpose(1, 2)
         q, k, v = mixed.split([s.key_width, s.key_width, s.value_width], dim=-1)
         repeat = s.value_heads // s.key_heads  # each q/k head serves `repeat` consecutive value heads
         q = q.reshape(b, t, s.key_heads, s.key_dim).repeat_interleave(repeat, dim=2)
@@ -105,6 +117,8 @@ class GatedDeltaNet(nn.Module):
         compute = cache.state[self.slot].dtype
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.to(compute).exp() * F.softplus(self.in_proj_a(x).to(compute) + self.dt_bias.to(compute))
+        if t == 1:  # and forgets the old state: decay exp(-inf) = 0 (the recurrent forms multiply by it)
+            g = g.masked_fill(cache.fresh, float("-inf"))
         out = self._delta_rule(q, k, v, g, beta, window, cache).to(x.dtype)
         out = self.norm(out, self.in_proj_z(x).view(b, t, s.value_heads, s.value_dim))
         return self.out_proj(out.reshape(b, t, -1))
@@ -112,16 +126,15 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, q, k, v, g, beta, window, cache) -> torch.Tensor:
         """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache.
         fla's kernels return no deltas, so a run the cache captures for rollback takes the torch forms."""
-        start = cache.state[self.slot]
-        recurrent = q.shape[1] <= RECURRENT_TOKENS
+        start, tokens = cache.state[self.slot], q.shape[1]
         if fla_available(q.device) and not cache.capturing:
             q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-            out, state = fla_form(q, k, v, g, beta, start, recurrent)
+            out, state = fla_form(q, k, v, g, beta, start, recurrent=tokens <= FLA_RECURRENT_TOKENS)
             cache.update(self.slot, window, state)
             return out
         q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
         q = l2_normalize(q) / q.shape[-1] ** 0.5
         k = l2_normalize(k)
-        out, state, deltas = (recurrent_form if recurrent else chunked_form)(q, k, v, g, beta, start)
+        out, state, deltas = (recurrent_form if tokens == 1 else chunked_form)(q, k, v, g, beta, start)
         cache.update(self.slot, window, state, (k, g.cumsum(-1), deltas) if cache.capturing else None)
         return out.transpose(1, 2)

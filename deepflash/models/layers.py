@@ -193,3 +193,21 @@ class SparseMoe(nn.Module):
         flat = x.reshape(-1, shape[-1])
         experts, weights = self.gate(flat)
         return self.experts(flat, experts, weights).reshape(shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA for grouped-query attention with an explicit boolean mask.
+
+    SDPA's fused kernels reject enable_gqa together with a mask and fall back to the math kernel
+    (full score matrix, K/V repeated per head). Folding each K/V head's query group into the query
+    length instead (q [B, Hkv, G*T, D], mask repeated G times) is the same computation as plain
+    multi-head attention, which the memory-efficient kernel serves with a mask and no K/V copy.
+    q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] or [B, 1, T, S]."""
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    q = q.reshape(b, k.shape[1], groups * t, d)
+    if mask is not None:
+        mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(b, h, t, d)

@@ -6,13 +6,12 @@ Parameter names equal the transformers checkpoint names, so a state dict loads w
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..kv import KVCache, causal_mask
 from .base import TargetModel
-from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary
+from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention
 
 
 class Attention(nn.Module):
@@ -39,7 +38,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
         keys, values = cache.read(layer, kv_len)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        out = attention(q.transpose(1, 2), keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -146,13 +146,19 @@ def short_task(rng: random.Random, path: Path, text: str) -> Task | None:
     return Task(kind, str(path), [{"role": "user", "content": SHORT_TASKS[kind].format(code=code)}])
 
 
-def long_task(rng: random.Random, path: Path, text: str, max_chars: int, kind: str | None = None) -> Task | None:
-    """A module (cut to max_chars) plus a question about a function in its first third."""
+def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, kind: str | None = None,
+              fns: list[tuple[str, str, int]] | None = None) -> Task | None:
+    """The module cut (at a line end) to max_chars, plus a question about a function in its first third.
+    `fns` (functions() of the full text) saves re-parsing when one module is cut several ways."""
     module = text[:max_chars]
-    fns = [f for f in functions(module) if f[2] <= max(20, module.count("\n") // 3)]
-    if not fns:
+    module = module[: module.rfind("\n") + 1] or module
+    limit = max(20, module.count("\n") // 3)
+    fns = fns if fns is not None else functions(text)
+    names = [f[0] for f in fns]
+    eligible = [f for f in fns if f[2] <= limit and names.count(f[0]) == 1]  # unambiguous names only
+    if not eligible:
         return None
-    name = fns[0][0] if kind else rng.choice(fns)[0]
+    name = eligible[0][0] if kind else rng.choice(eligible)[0]
     kind = kind or rng.choice(list(LONG_TASKS))
     return Task(kind, str(path), [{"role": "user", "content": LONG_TASKS[kind].format(module=module, name=name)}])
 

@@ -195,6 +195,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         if tc.resume:
             self._load_checkpoint()
+        self.started = time.perf_counter() - self.progress.elapsed  # the budget's wall-clock origin
 
     # --- budget and schedule ------------------------------------------------------------------------
     def fraction_done(self) -> float:
@@ -265,7 +266,7 @@ class Trainer:
         tokens = sum(len(s) for s in batch)
         p.tokens += tokens
         seconds = time.perf_counter() - began
-        p.elapsed += seconds
+        p.elapsed = time.perf_counter() - self.started  # wall clock: evals and checkpoints count too
         return {"step": p.step, "loss": float(loss), "acc": [round(float(a), 4) for a in acc],
                 "grad_norm": float(norm), "lr": self.lr_now(), "tok_per_s": tokens / seconds,
                 "elapsed_s": round(p.elapsed, 1)}

@@ -1,0 +1,148 @@
+"""deepflash bench accept: acceptance of a drafter on real prompts.
+
+1. HumanEval (164 prompts as chat requests), T=0 and T=1: AL, histogram, per-position acceptance, tok/s
+   against our plain decode.
+2. Depth sweep: code-editing prompts of 1K..7.5K tokens whose answers copy text near the start, with
+   the feature window at the full trained window, capped at 4096 and at 2048.
+3. Feature storage dtype sweep (f32, bf16, q8_0, q4_0) on the same prompts, full window.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..config import EngineConfig
+from ..engine import Engine
+from ..runtime import load_runtime, resolve_device
+from ..sampling import SamplingParams
+from ..stats import SpecStats
+from .common import environment, finish, table
+from .prompts import depth_prompts, humaneval_messages
+
+
+def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeded: bool = False) -> dict:
+    """Run every prompt; sum the speculative statistics over all steps of all prompts."""
+    engine.complete(prompts[0], SamplingParams(max_new_tokens=16))  # warm-up (graph capture)
+    total = SpecStats(engine.block_size) if engine.drafter is not None else None
+    tokens, wall = 0, 0.0
+    for i, ids in enumerate(prompts):
+        p = SamplingParams(temperature=params.temperature, max_new_tokens=params.max_new_tokens,
+                           seed=i if seeded else params.seed)
+        began = time.perf_counter()
+        r = engine.complete(ids, p)
+        wall += time.perf_counter() - began
+        tokens += r.generated_tokens
+        if total is not None:
+            _add(total, r.spec)
+    out = {"prompts": len(prompts), "tokens": tokens, "tok_per_s": tokens / wall}
+    if total is not None:
+        out.update(total.to_json())
+    return out
+
+
+def _add(total: SpecStats, s: SpecStats) -> None:
+    total.steps += s.steps
+    total.committed += s.committed
+    total.draft_tokens += s.draft_tokens
+    total.plain_steps += s.plain_steps
+    total.draft_s += s.draft_s
+    total.verify_s += s.verify_s
+    for name in ("histogram", "position_tries", "position_hits"):
+        mine, theirs = getattr(total, name), getattr(s, name)
+        for k, v in enumerate(theirs):
+            mine[k] += v
+
+
+def run(args) -> dict:
+    device = resolve_device(args.device)
+    rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
+    tok, target, drafter = rt.tokenizer, rt.target, rt.drafter
+    if drafter is None:
+        from ..errors import UserError
+
+        raise UserError("bench accept needs a drafter (the embedded model ships one; else pass --draft)")
+    record = {"bench": "accept", **environment(device), "draft": rt.draft_name,
+              "trained_context_length": drafter.cfg.trained_context_length, "max_new_tokens": args.max_new_tokens}
+
+    humaneval = [tok.chat(m) for m in humaneval_messages(args.humaneval)]
+    record["humaneval"] = {}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens)
+        spec = measure(Engine(target, tok, drafter, spec="on"), humaneval, params, seeded=True)
+        plain = measure(Engine(target, tok), humaneval, params, seeded=True)
+        spec["speedup_vs_plain"] = spec["tok_per_s"] / plain["tok_per_s"]
+        spec["plain_tok_per_s"] = plain["tok_per_s"]
+        record["humaneval"][f"T={temperature:g}"] = spec
+    table("HumanEval", ["temperature", "AL", "tok/s", "plain tok/s", "speedup"],
+          [[k, v["acceptance_length"], v["tok_per_s"], v["plain_tok_per_s"], v["speedup_vs_plain"]]
+           for k, v in record["humaneval"].items()])
+
+    depths = [int(d) for d in args.depths.split(",")]
+    prompts = {d: depth_prompts(tok, d, args.per_depth) for d in depths}
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    windows = {"full": None, "4096": 4096, "2048": 2048}
+    record["depth"] = {name: {} for name in windows}
+    for name, cap in windows.items():
+        engine = Engine(target, tok, drafter, spec="on", feat_ring_cap=cap)
+        for d in depths:
+            record["depth"][name][d] = measure(engine, prompts[d], params) | {"window": engine.window}
+    table("AL by depth and feature window", ["depth"] + list(windows),
+          [[d] + [record["depth"][w][d]["acceptance_length"] for w in windows] for d in depths])
+
+    record["dtype"] = {}
+    for fmt in ("f32", "bf16", "q8_0", "q4_0"):
+        engine = Engine(target, tok, drafter, spec="on", feature_dtype=fmt)
+        record["dtype"][fmt] = {d: measure(engine, prompts[d], params) for d in depths}
+    table("AL by feature dtype", ["depth", "f32", "bf16", "q8_0", "q4_0"],
+          [[d] + [record["dtype"][f][d]["acceptance_length"] for f in record["dtype"]] for d in depths])
+    if args.plot:
+        plot(record, args.plot)
+    return finish(record, args.out)
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for name, rows in record["depth"].items():
+        depths = sorted(rows)
+        ax.plot(depths, [rows[d]["acceptance_length"] for d in depths], marker="o", label=f"window {name}")
+    ax.set(title="AL vs prompt depth", xlabel="prompt tokens", ylabel="acceptance length")
+    ax.legend()
+    ax = axes[1]
+    fmts = list(record["dtype"])
+    depths = sorted(next(iter(record["dtype"].values())))
+    width = 0.8 / len(fmts)
+    for i, fmt in enumerate(fmts):
+        ax.bar([j + i * width for j in range(len(depths))],
+               [record["dtype"][fmt][d]["acceptance_length"] for d in depths], width, label=fmt)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(depths))], [str(d) for d in depths])
+    ax.set(title="AL by feature storage dtype", xlabel="prompt tokens", ylabel="acceptance length")
+    ax.legend()
+    ax = axes[2]
+    for name, r in record["humaneval"].items():
+        hist = r["acceptance_histogram"]
+        total = sum(hist) or 1
+        ax.plot(range(1, len(hist) + 1), [h / total for h in hist], marker=".", label=f"HumanEval {name}")
+    ax.set(title="tokens committed per verify step", xlabel="committed tokens", ylabel="share of steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("accept", help="acceptance on HumanEval, by depth and window, by feature dtype")
+    p.add_argument("--model")
+    p.add_argument("--draft")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--humaneval", type=int, help="limit the number of HumanEval prompts (default: all 164)")
+    p.add_argument("--depths", default="1024,2048,4096,6144,7500")
+    p.add_argument("--per-depth", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--out", help="JSON file")
+    p.add_argument("--plot", help="PNG file")
+    p.set_defaults(func=run)

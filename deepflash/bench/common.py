@@ -1,0 +1,67 @@
+"""Shared benchmark plumbing: device bandwidth, timing, tables, JSON records."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+stdout = Console()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 2048, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (the ceiling the
+    brief's MBU figures are relative to)."""
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    began = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync(device)
+    seconds = (time.perf_counter() - began) / repeats
+    return 2 * src.nbytes / seconds / 1e9
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    return {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": date.today().isoformat()}
+
+
+def table(title: str, columns: list[str], rows: list[list]) -> None:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right" if c != columns[0] else "left")
+    for row in rows:
+        t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row])
+    stdout.print(t)
+
+
+def finish(record: dict, out: str | None) -> dict:
+    """Write the record as JSON (if asked) and end stdout with it as one line."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=2))
+    print(json.dumps(record))
+    return record

@@ -1,0 +1,77 @@
+"""deepflash bench rings: feature-ring write and bulk dequantize throughput per storage dtype, and bytes
+per position for the embedded pair and a Qwen3-8B-shaped pair (5 taps x 4096)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..features import FeatureRing
+from ..quant import FORMATS
+from ..runtime import resolve_device
+from .common import copy_bandwidth, environment, finish, sync, table
+
+PAIRS = {"SmolLM2-135M (5 taps x 576)": 5 * 576, "Qwen3-8B-shaped (5 taps x 4096)": 5 * 4096}
+
+
+def _time(device, fn, repeats: int) -> float:
+    fn()
+    sync(device)
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1000 / repeats
+    import time
+
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - began) / repeats
+
+
+def throughput(device, fmt_name: str, width: int, rows: int, repeats: int) -> dict:
+    """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
+    counting bytes read plus bytes written, like the copy bandwidth it is compared with."""
+    fmt = FORMATS[fmt_name]
+    ring = FeatureRing(rows, width, fmt, device)
+    data = torch.randn(rows, width, device=device)
+    positions = torch.arange(rows, device=device)
+    stored = rows * fmt.row_bytes(width)
+    write_s = _time(device, lambda: ring.write(positions, data), repeats)
+    read_s = _time(device, lambda: fmt.decode(ring.data), repeats)
+    moved = data.nbytes + stored
+    return {"write_gb_s": moved / write_s / 1e9, "dequant_gb_s": moved / read_s / 1e9,
+            "row_bytes": fmt.row_bytes(width)}
+
+
+def run(args) -> dict:
+    device = resolve_device(args.device)
+    bandwidth = copy_bandwidth(device)
+    results = {}
+    for fmt in FORMATS:
+        r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats)
+        r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
+        r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth
+        results[fmt] = r
+    sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
+    table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
+          f"{bandwidth:.0f} GB/s)", ["dtype", "write GB/s", "of copy", "dequant GB/s", "of copy"],
+          [[f, r["write_gb_s"], r["write_fraction_of_copy"], r["dequant_gb_s"], r["dequant_fraction_of_copy"]]
+           for f, r in results.items()])
+    table("bytes per position (row + 8-byte position tag)", ["pair"] + list(FORMATS),
+          [[pair] + list(v.values()) for pair, v in sizes.items()])
+    record = {"bench": "rings", **environment(device), "copy_bandwidth_gb_s": bandwidth, "rows": args.rows,
+              "throughput": results, "bytes_per_position": sizes}
+    return finish(record, args.out)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("rings", help="feature ring write / dequantize throughput and bytes per position")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--out")
+    p.set_defaults(func=run)

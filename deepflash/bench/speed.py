@@ -1,0 +1,168 @@
+"""deepflash bench speed: our plain decode and DFlash against transformers on the same prompts, plus
+plain decode of a Qwen3-8B-shaped random model as a fraction of the device's copy bandwidth (MBU)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..drafter import DFlashDrafter
+from ..engine import Engine
+from ..models import init_random_, materialize, random_model
+from ..runtime import load_runtime, resolve_device
+from ..sampling import SamplingParams
+from ..tokenizer import word_tokenizer
+from .common import copy_bandwidth, environment, finish, sync, table
+from .prompts import depth_prompts, humaneval_messages
+
+QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: SamplingParams) -> dict:
+    """Warm up (graph capture) on the first prompt, then time every prompt end to end."""
+    engine.complete(prompts[0], SamplingParams(max_new_tokens=min(max_new, 32), temperature=params.temperature,
+                                               seed=params.seed))
+    tokens = steps = committed = 0
+    wall = decode = 0.0
+    for ids in prompts:
+        began = time.perf_counter()
+        r = engine.complete(ids, params)
+        wall += time.perf_counter() - began
+        decode += r.decode_s
+        tokens += r.generated_tokens
+        if r.spec is not None:
+            steps += r.spec.steps
+            committed += r.spec.committed
+    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode}
+    if steps:
+        out["acceptance_length"] = committed / steps
+    return out
+
+
+def run_transformers(model, prompts: list[list[int]], max_new: int, warmups: int = 1, **generate_args) -> dict:
+    device = model.device
+    for _ in range(warmups):
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=min(max_new, 32),
+                       do_sample=False, **generate_args)
+    tokens, wall = 0, 0.0
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        sync(device)
+        began = time.perf_counter()
+        out = model.generate(x, max_new_tokens=max_new, do_sample=False, **generate_args)
+        sync(device)
+        wall += time.perf_counter() - began
+        tokens += out.shape[1] - x.shape[1]
+    return {"tokens": tokens, "tok_per_s": tokens / wall}
+
+
+def never_matching_drafter(like: DFlashDrafter) -> DFlashDrafter:
+    """Same shape as the real drafter, random weights: its drafts (almost) never match."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(like.cfg).to(like.dtype)
+    drafter = drafter.to_empty(device=like.device)
+    init_random_(drafter, seed=123, std=0.02)
+    return materialize(drafter, like.device).eval().requires_grad_(False)
+
+
+def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, max_new: int = 128) -> dict:
+    """Plain decode of a random-weight Qwen3-8B-shaped bf16 model; MBU = bytes read per step x tok/s /
+    copy bandwidth (bytes read: weights a decode step touches plus the KV span attended)."""
+    cfg = ModelConfig.from_hf(QWEN3_8B)
+    target = random_model(cfg, device=device, dtype=torch.bfloat16, seed=0, std=0.02, on_device=True)
+    engine = Engine(target, word_tokenizer(cfg.vocab_size), max_ctx=2048)
+    engine.stop_ids = frozenset()  # random weights: measure exactly max_new tokens
+    prompt = torch.randint(2, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    stats = run_engine(engine, [prompt] * 3, max_new, SamplingParams(max_new_tokens=max_new))
+    kv_span = 512  # the attention bucket these positions fall in (graphs.kv_bucket)
+    step_bytes = target.decode_weight_bytes() + kv_span * target.kv_bytes_per_token()
+    mbu = step_bytes * stats["decode_tok_per_s"] / (bandwidth * 1e9)
+    del engine, target
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return {"decode_tok_per_s": stats["decode_tok_per_s"], "bytes_per_step": step_bytes, "mbu": mbu}
+
+
+def run(args) -> dict:
+    device = resolve_device(args.device)
+    bandwidth = copy_bandwidth(device)
+    if args.part == "mbu":
+        result = qwen3_8b_mbu(device, bandwidth)
+        table("Qwen3-8B-shaped random bf16 target, plain decode", ["tok/s", "bytes/step", "MBU"],
+              [[result["decode_tok_per_s"], result["bytes_per_step"], result["mbu"]]])
+        return finish({"bench": "speed", "part": "mbu", **environment(device), "copy_bandwidth_gb_s": bandwidth,
+                       "results": {"qwen3-8b-shaped plain decode": result}}, args.out)
+    rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
+    if rt.drafter is None:
+        from ..errors import UserError
+
+        raise UserError("bench speed needs a drafter (the embedded model ships one; else pass --draft)")
+    tok, target = rt.tokenizer, rt.target
+    prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
+    prompts += depth_prompts(tok, args.long_depth, 1)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    results: dict[str, dict] = {}
+
+    def attempt(name, fn):
+        try:
+            results[name] = fn()
+        except Exception as err:  # noqa: BLE001 - one failed baseline must not lose the others
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+
+    attempt("deepflash plain", lambda: run_engine(Engine(target, tok, max_ctx=rt.engine.max_ctx), prompts,
+                                                   args.max_new_tokens, params))
+    attempt("deepflash dflash (spec auto)", lambda: run_engine(Engine(target, tok, rt.drafter, spec="auto"), prompts,
+                                                                args.max_new_tokens, params))
+    attempt("deepflash dflash (spec on)", lambda: run_engine(Engine(target, tok, rt.drafter, spec="on"), prompts,
+                                                              args.max_new_tokens, params))
+    attempt("deepflash never-matching drafter, spec auto", lambda: run_engine(
+        Engine(target, tok, never_matching_drafter(rt.drafter), spec="auto"), prompts, args.max_new_tokens, params))
+    if args.compile:
+        attempt("deepflash plain compiled", lambda: run_engine(Engine(target, tok, compile=True), prompts,
+                                                               args.max_new_tokens, params))
+        attempt("deepflash dflash compiled", lambda: run_engine(Engine(target, tok, rt.drafter, compile=True),
+                                                                prompts, args.max_new_tokens, params))
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        from ..weights import resolve_model
+
+        hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=target.dtype).to(device)
+        attempt("transformers generate", lambda: run_transformers(hf, prompts, args.max_new_tokens))
+        attempt("transformers generate, static cache", lambda: run_transformers(
+            hf, prompts, args.max_new_tokens, warmups=2, cache_implementation="static"))
+        attempt("transformers prompt lookup (10)", lambda: run_transformers(
+            hf, prompts, args.max_new_tokens, prompt_lookup_num_tokens=10))
+        del hf
+    if device.type == "cuda" and args.part == "all":
+        attempt("qwen3-8b-shaped plain decode", lambda: qwen3_8b_mbu(device, bandwidth))
+    base = results["deepflash plain"].get("tok_per_s")
+    rows = []
+    for name, r in results.items():
+        ratio = r["tok_per_s"] / base if base and "tok_per_s" in r else None
+        rows.append([name, r.get("tok_per_s", r.get("decode_tok_per_s", r.get("error", "-"))),
+                     ratio if ratio is not None else "-", r.get("acceptance_length", "-"), r.get("mbu", "-")])
+    table(f"speed: {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy",
+          ["system", "tok/s", "vs our plain", "AL", "MBU"], rows)
+    record = {"bench": "speed", **environment(device), "copy_bandwidth_gb_s": bandwidth, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "results": results}
+    return finish(record, args.out)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("speed", help="tok/s of plain decode, DFlash and transformers baselines; MBU")
+    p.add_argument("--model")
+    p.add_argument("--draft")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--prompts", type=int, default=20, help="HumanEval prompts (plus one long code-edit prompt)")
+    p.add_argument("--long-depth", type=int, default=6000)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--compile", action="store_true", help="also run the torch.compile variants")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--part", default="all", choices=["all", "engines", "mbu"],
+                   help="engines: the embedded pair and transformers; mbu: the Qwen3-8B-shaped model only")
+    p.add_argument("--out", help="JSON file")
+    p.set_defaults(func=run)

@@ -1,0 +1,217 @@
+"""Qwen3.5 / Qwen3.6 (transformers `qwen3_5`, `qwen3_5_moe` and their `_text` models): a hybrid decoder.
+
+`layer_types` mixes Gated DeltaNet layers (linear_attention, gated_deltanet.py) with gated full attention
+(full_attention: q/k RMSNorm, partial rotary, output gated by sigmoid of a second half of q_proj). The
+feed-forward is a SwiGLU MLP (dense) or routed experts plus a gated shared expert (MoE). Every RMSNorm but
+the DeltaNet's gated one scales by (1 + weight), so their stored weights are offsets from 1.
+
+Parameter names equal the transformers text-model names; checkpoints of the multimodal wrapper
+(`model.language_model.*`, `model.visual.*`, `mtp.*`) are mapped by `prepare_state_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..kv import KVCache, causal_mask
+from .base import TargetModel
+from .gated_deltanet import DeltaNetShape, GatedDeltaNet
+from .hybrid_cache import ROLLBACK_MODES, HybridCache
+from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def layer_types(cfg: ModelConfig) -> tuple[str, ...]:
+    """From the config, else transformers' default: every `full_attention_interval`-th layer is full."""
+    raw = cfg.raw
+    interval = int(raw.get("full_attention_interval", 4))
+    default = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(cfg.num_layers)]
+    types = tuple(raw.get("layer_types") or default)
+    if len(types) != cfg.num_layers or set(types) - set(LAYER_TYPES):
+        raise UserError(f"layer_types {list(types)} must list {cfg.num_layers} of {', '.join(LAYER_TYPES)}")
+    return types
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), cast back after scaling (transformers' Qwen3.5 order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    cache: HybridCache
+    kv_len: int
+    mask: torch.Tensor
+    live: torch.Tensor | None  # [B, T], False on left padding
+
+
+class GatedAttention(nn.Module):
+    """q_proj yields per head [query | gate]; the attention output is multiplied by sigmoid(gate)."""
+
+    def __init__(self, cfg: ModelConfig, slot: int):
+        super().__init__()
+        self.slot = slot  # this layer's index among the model's attention layers (its KV slot)
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, step: Step) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, gate = self.q_proj(x).view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), step.cos, step.sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)), step.cos, step.sin)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        kv = step.cache.kv
+        kv.write(self.slot, step.positions, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values = kv.read(self.slot, step.kv_len)
+        out = attention(q.transpose(1, 2), keys, values, step.mask).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+class SharedExpertMoe(SparseMoe):
+    """Routed experts (top-k softmax, always renormalised) plus a shared expert scaled by sigmoid(gate)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         normalize=True)
+        self.shared_expert = MLP(cfg.hidden_size, int(cfg.raw["shared_expert_intermediate_size"]))
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, slot: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, DeltaNetShape.from_config(cfg), slot)
+        else:
+            self.self_attn = GatedAttention(cfg, slot)
+        self.mlp = SharedExpertMoe(cfg) if cfg.num_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            x = x + self.linear_attn(h, step.cache, step.live)
+        else:
+            x = x + self.self_attn(h, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, types: tuple[str, ...]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, types[:i].count(kind)) for i, kind in enumerate(types))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen35Model(TargetModel):
+    """forward(tokens [B,T], positions [T], cache, kv_len) -> (logits, features), like LlamaModel."""
+
+    norm_neutral = 0.0  # norm weights are offsets from 1 (read by init_random_)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.types = layer_types(cfg)
+        self.shape = DeltaNetShape.from_config(cfg)
+        self.model = Backbone(cfg, self.types)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    @classmethod
+    def prepare_state_dict(cls, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Multimodal checkpoints: language model weights only (no vision tower, no multi-token-prediction head)."""
+        out = {}
+        for name, tensor in state.items():
+            if name.startswith(("model.visual.", "mtp.")):
+                continue
+            out[name.replace("model.language_model.", "model.", 1)] = tensor
+        return super().prepare_state_dict(out, cfg)
+
+    def new_cache(self, batch: int, max_len: int, *, rollback: str = "capture",
+                  rollback_tokens: int = 64) -> HybridCache:
+        """rollback: how keep(n) restores the DeltaNet states, "capture" or "replay" (hybrid_cache.py);
+        rollback_tokens: the longest forward that can be rolled back (at least the verify block)."""
+        if rollback not in ROLLBACK_MODES:
+            raise UserError(f"rollback must be one of {', '.join(ROLLBACK_MODES)}, got {rollback!r}")
+        cfg, s = self.cfg, self.shape
+        kv = KVCache(self.attention_layer_count(), batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype,
+                     self.device)
+        return HybridCache(kv, self.linear_layer_count(), batch, s.conv_channels, s.conv_kernel - 1,
+                           (s.value_heads, s.key_dim, s.value_dim), self.dtype, self.state_dtype, self.device,
+                           rollback, rollback_tokens)
+
+    def forward(self, tokens, positions, cache: HybridCache, kv_len=None, *, capture=(), logits="all",
+                key_mask=None):
+        """capture: layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]).
+        logits: "all", "last" or "none". key_mask [B, S]: False on left-padding slots of batched prompts."""
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        def rerun(n: int) -> None:  # what the replay rollback runs: this forward's first n tokens again
+            self(tokens[:, :n], positions[:n], cache, kv_len, logits="none", key_mask=key_mask)
+
+        cache.begin(positions, rerun)
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(positions, x.dtype)
+        live = None if key_mask is None else key_mask[:, positions]
+        step = Step(cos, sin, positions, cache, kv_len, causal_mask(positions, kv_len, key_mask), live)
+        taps = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, step)
+            if i in capture and i != last:
+                taps[i] = x
+        x = self.model.norm(x)
+        if last in capture:
+            taps[last] = x  # transformers' last hidden state is the normed one
+        return self.project(x, logits), self.gather_taps(taps, capture)
+
+    # --- cost accounting -------------------------------------------------------------------------------
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """Recurrent states are kept in float32 (float64 for float64 models), as the kernels compute."""
+        return torch.promote_types(self.dtype, torch.float32)
+
+    def attention_layer_count(self) -> int:
+        return self.types.count("full_attention")
+
+    def linear_layer_count(self) -> int:
+        return self.types.count("linear_attention")
+
+    def state_bytes(self, batch: int = 1) -> int:
+        """Conv and recurrent states of the DeltaNet layers, twice: the cache keeps a copy from the start
+        of the last verify for rollback."""
+        s = self.shape
+        conv = s.conv_channels * (s.conv_kernel - 1) * self.dtype.itemsize
+        recurrent = s.value_heads * s.key_dim * s.value_dim * self.state_dtype.itemsize
+        return 2 * self.linear_layer_count() * batch * (conv + recurrent)

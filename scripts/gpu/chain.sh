@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU session after run 1 (rings, hybrid and 8B-MBU benchmarks ran there) in one detached chain; each stage logs to $ROOT/results/<stage>.log and a
+# failed stage does not stop the ones after it (except training, which the benchmarks need).
+# Sizes come from the environment so that a CPU dry run (scripts/gpu/dryrun.sh) runs the same chain.
+set -uo pipefail
+source scripts/gpu/env.sh
+ROOT=${ROOT:-/root}
+DEVICE=${DEVICE:-cuda}
+COUNT=${COUNT:-3000}
+MAX_NEW=${MAX_NEW:-384}
+TRAIN_MINUTES=${TRAIN_MINUTES:-6}
+PICK_PROMPTS=${PICK_PROMPTS:-40}
+ACCEPT_ARGS=${ACCEPT_ARGS:---per-depth 3 --max-new-tokens 192}
+SPEED_ARGS=${SPEED_ARGS:---prompts 8 --max-new-tokens 128}
+SMOKE_ARGS=${SMOKE_ARGS:---prompts 3 --max-new-tokens 96}
+R=$ROOT/results
+DATA=$ROOT/data
+RUN=$ROOT/run
+mkdir -p "$R"
+stage() {  # stage NAME COMMAND...
+  local name=$1; shift
+  echo "=== $(date +%T) $name: start"
+  "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  echo "=== $(date +%T) $name: rc=$rc"
+  tail -n 4 "$R/$name.log"
+  return $rc
+}
+
+stage smoke python3 scripts/gpu/smoke.py --device $DEVICE --out $R/smoke.json $SMOKE_ARGS
+stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
+# two layer counts side by side (the GPU has room for both); pick_drafter ships the better one per byte
+stage train-l3 deepflash train-drafter train --device $DEVICE --data $DATA --out $RUN-l3 --layers 3 \
+  --max-minutes $TRAIN_MINUTES --attention sdpa &
+sleep 5
+stage train-l1 deepflash train-drafter train --device $DEVICE --data $DATA --out $RUN-l1 --layers 1 \
+  --max-minutes $TRAIN_MINUTES --attention sdpa
+wait
+stage pick python3 scripts/gpu/pick_drafter.py $RUN-l3/drafter $RUN-l1/drafter --device $DEVICE \
+  --prompts $PICK_PROMPTS --into deepflash/drafters/smollm2-135m --out $R/pick.json \
+  || { echo "CHAIN_FAILED: no drafter"; exit 1; }
+stage accept deepflash bench accept --device $DEVICE --out $R/accept.json --plot $R/accept.png $ACCEPT_ARGS
+stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed.json $SPEED_ARGS
+stage memory deepflash bench memory --device $DEVICE --out $R/memory.json
+echo "CHAIN_DONE"

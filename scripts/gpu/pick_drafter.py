@@ -1,0 +1,57 @@
+"""Pick the drafter to ship: HumanEval acceptance (40 prompts, greedy) of each candidate against its
+size; the smaller one wins unless the larger accepts at least 5% more. Copies it into --into."""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from deepflash.bench.accept import measure
+from deepflash.bench.prompts import humaneval_messages
+from deepflash.drafter import load_drafter
+from deepflash.engine import Engine
+from deepflash.models import load_target
+from deepflash.sampling import SamplingParams
+from deepflash.tokenizer import load_tokenizer
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("candidates", nargs="+")
+    ap.add_argument("--into", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts", type=int, default=40)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target, folder = load_target(None, dev, dtype)
+    tok = load_tokenizer(folder)
+    prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
+    rows = []
+    for path in args.candidates:
+        if not (Path(path) / "model.safetensors").is_file():
+            rows.append({"drafter": path, "error": "missing"})
+            continue
+        drafter = load_drafter(path, dev, dtype)
+        r = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=192))
+        size = (Path(path) / "model.safetensors").stat().st_size
+        rows.append({"drafter": path, "layers": drafter.cfg.num_layers, "bytes": size,
+                     "acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"]})
+    ok = sorted((r for r in rows if "bytes" in r), key=lambda r: r["bytes"])
+    best = ok[0]
+    for r in ok[1:]:
+        if r["acceptance_length"] >= 1.05 * best["acceptance_length"]:
+            best = r
+    shutil.rmtree(args.into, ignore_errors=True)
+    shutil.copytree(best["drafter"], args.into)
+    record = {"candidates": rows, "picked": best}
+    print(json.dumps(record, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Adaptive speculation with a fake clock: step costs and acceptance are fed in directly."""
+
+import pytest
+
+from deepflash.controller import SpecController
+
+
+def drive(controller: SpecController, steps: int, accepted_per_spec: float, t_plain: float, t_spec: float) -> list[bool]:
+    """Run `steps` decisions; spec steps commit `accepted_per_spec` tokens in t_spec, plain steps take t_plain."""
+    trace = []
+    for _ in range(steps):
+        spec = controller.use_spec()
+        trace.append(spec)
+        if spec:
+            controller.record_spec(accepted_per_spec, t_spec)
+        else:
+            controller.record_plain(t_plain)
+    return trace
+
+
+def test_never_matching_drafter_turns_speculation_off_within_a_few_steps():
+    c = SpecController("auto")
+    trace = drive(c, 200, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
+    first_off = trace.index(False)
+    assert first_off <= 4
+    # after the verdict: mostly plain, with short probes that back off
+    assert sum(trace[10:]) / len(trace[10:]) < 0.05
+
+
+def test_always_matching_drafter_keeps_speculating():
+    c = SpecController("auto")
+    trace = drive(c, 200, accepted_per_spec=8, t_plain=1.0, t_spec=1.6)
+    assert sum(trace) >= 197  # only the one plain step that measures t_plain
+
+
+def test_probing_turns_speculation_back_on_when_it_pays_again():
+    c = SpecController("auto")
+    drive(c, 60, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
+    assert not c.use_spec() or c.plain_left == 0
+    trace = drive(c, 400, accepted_per_spec=6, t_plain=1.0, t_spec=1.6)
+    assert all(trace[-100:])
+
+
+def test_break_even_margin():
+    c = SpecController("auto", margin=0.05)
+    drive(c, 50, accepted_per_spec=1.0, t_plain=1.0, t_spec=0.97)  # 1.03x: pays, keeps speculating
+    assert c.use_spec()
+    c = SpecController("auto", margin=0.05)
+    drive(c, 50, accepted_per_spec=1.0, t_plain=1.0, t_spec=1.1)  # 0.91x: below break-even minus margin
+    assert c.plain_left > 0 or not c.use_spec()
+
+
+@pytest.mark.parametrize("mode,want", [("on", True), ("off", False)])
+def test_fixed_modes(mode, want):
+    c = SpecController(mode)
+    assert all(s == want for s in drive(c, 20, 1, 1.0, 5.0))
+
+
+def test_bad_mode():
+    with pytest.raises(ValueError):
+        SpecController("sometimes")

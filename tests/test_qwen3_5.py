@@ -1,0 +1,343 @@
+"""Qwen3.5 / Qwen3.6 hybrid targets (Gated DeltaNet + gated attention, dense and MoE): parity with
+transformers, the two delta-rule forms, exact rollback of the recurrent states (capture and replay),
+the speculative contract on hybrid targets, and loading saved checkpoints."""
+
+import pytest
+import torch
+
+import deepflash.spec as spec_module
+from deepflash.config import ModelConfig
+from deepflash.engine import Engine
+from deepflash.errors import UserError
+from deepflash.models import build_from_state, load_target, random_model
+from deepflash.models.delta_rule import chunked_form, recurrent_form, state_after_prefix
+from deepflash.models.gated_deltanet import l2_normalize
+from deepflash.sampling import SamplingParams, target_probs
+from helpers import EOS, VOCAB, drafter_config, tiny_drafter, tiny_tokenizer
+from test_sampling import chi_square_p
+
+TOL = 1e-4
+TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one intra-op thread, which also keeps a busy machine from making the
+    thread pool spin (minutes instead of seconds on two shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def text_config(kind: str, **overrides) -> dict:
+    """A tiny Qwen3.5 text config; k and v head dims differ so that a swapped axis cannot pass."""
+    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=5, layer_types=TYPES, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               max_position_embeddings=512, eos_token_id=EOS,
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+    if kind == "moe":
+        cfg.update(model_type="qwen3_5_moe_text", moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   num_experts=8, num_experts_per_tok=2)
+    else:
+        cfg.update(model_type="qwen3_5_text", intermediate_size=96)
+    cfg.update(overrides)
+    return cfg
+
+
+def hf_pair(kind: str, **overrides):
+    """A transformers model with random weights (norm offsets included) and ours loaded from its state dict."""
+    import transformers
+
+    cfg = text_config(kind, **overrides)
+    cfg.pop("model_type")
+    if kind == "moe":
+        hf_cfg, cls = transformers.Qwen3_5MoeTextConfig(**cfg), transformers.Qwen3_5MoeForCausalLM
+    else:
+        hf_cfg, cls = transformers.Qwen3_5TextConfig(**cfg), transformers.Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    hf = cls(hf_cfg).eval()
+    with torch.no_grad():  # larger weights than the default init make mismatches visible
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.1)
+    ours = build_from_state(ModelConfig.from_hf(hf_cfg.to_dict()), dict(hf.state_dict()), "cpu", torch.float32)
+    return hf, ours
+
+
+def hybrid_target(kind: str, dtype=torch.float64, seed=0, std=0.2, **overrides):
+    """A random hybrid target over the helpers' tiny vocabulary (for the engine tests)."""
+    cfg = text_config(kind, **{"vocab_size": VOCAB, "tie_word_embeddings": True, **overrides})
+    return random_model(ModelConfig.from_hf(cfg), dtype=dtype, seed=seed, std=std)
+
+
+def ids(n: int, seed: int, high: int = 128) -> torch.Tensor:
+    return torch.randint(5, high, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run_chunks(model, tokens, sizes, cache):
+    """Feed tokens in chunks of the given sizes; returns the logits of all positions."""
+    out, p = [], 0
+    for size in sizes:
+        out.append(model(tokens[:, p : p + size], torch.arange(p, p + size), cache)[0])
+        p += size
+    return torch.cat(out, dim=1)
+
+
+# --- parity with transformers --------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_logits_and_features_match_transformers(kind):
+    hf, ours = hf_pair(kind)
+    tokens = ids(80, 1)  # 80 > 64: the chunked form runs over two chunks
+    with torch.no_grad():
+        ref = hf(tokens, output_hidden_states=True)
+        logits, feats = ours(tokens, torch.arange(80), ours.new_cache(1, 128), capture=(1, 2, 4))
+        assert (logits - ref.logits).abs().max() <= TOL
+        # a DeltaNet and an attention layer tap (HF hidden_states[i+1]); the last layer's is the normed state
+        want = torch.cat([ref.hidden_states[2], ref.hidden_states[3], ref.hidden_states[5]], dim=-1)
+        assert (feats - want).abs().max() <= TOL
+        decode = run_chunks(ours, tokens, [10] + [1] * 30, ours.new_cache(1, 128))
+        assert (decode - ref.logits[:, :40]).abs().max() <= TOL
+        mixed = run_chunks(ours, tokens, [7, 3, 1, 5, 16, 2, 20, 26], ours.new_cache(1, 128))
+        assert (mixed - ref.logits).abs().max() <= TOL
+
+
+def test_forms_agree():
+    """Recurrent and chunked forms (several chunks, a ragged tail) and the closed-form prefix state."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, t, dk, dv = 2, 3, 21, 8, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = l2_normalize(randn(b, h, t, dk)) / dk**0.5, l2_normalize(randn(b, h, t, dk)), randn(b, h, t, dv)
+    g = -2 * torch.rand(b, h, t, generator=gen, dtype=torch.float64)
+    beta = torch.rand(b, h, t, generator=gen, dtype=torch.float64)
+    start = randn(b, h, dk, dv)
+    rec = recurrent_form(q, k, v, g, beta, start)
+    chunked = chunked_form(q, k, v, g, beta, start, chunk=8)
+    for a, c in zip(rec, chunked):
+        assert (a - c).abs().max() < 1e-12
+    assert torch.equal(state_after_prefix(start, k, g.cumsum(-1), rec[2], 0), start)
+    for n in range(1, t + 1):
+        fed = recurrent_form(q[:, :, :n], k[:, :, :n], v[:, :, :n], g[:, :, :n], beta[:, :, :n], start)[1]
+        assert (state_after_prefix(start, k, g.cumsum(-1), rec[2], n) - fed).abs().max() < 1e-12
+
+
+# --- exact rollback --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rollback", ["capture", "replay"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_keep_equals_feeding_the_kept_tokens(kind, rollback):
+    """verify over 9 tokens, keep(n): conv and recurrent states equal a cache fed exactly the n tokens,
+    and the next forward's logits agree."""
+    _, ours = hf_pair(kind)
+    prefix, block, cont = ids(12, 2), ids(9, 3), ids(4, 4)
+    with torch.no_grad():
+        for n in (0, 1, 4, 8, 9):
+            cache = ours.new_cache(1, 64, rollback=rollback)
+            ours(prefix, torch.arange(12), cache)
+            ours(block, torch.arange(12, 21), cache)
+            cache.keep(n)
+            fed = ours.new_cache(1, 64)
+            run_chunks(ours, torch.cat([prefix, block[:, :n]], dim=1), [12] + [1] * n, fed)
+            for mine, want in zip(cache.conv + cache.state, fed.conv + fed.state):
+                assert (mine - want).abs().max() <= 1e-5
+            after = ours(cont, torch.arange(12 + n, 16 + n), cache)[0]
+            assert (after - ours(cont, torch.arange(12 + n, 16 + n), fed)[0]).abs().max() <= TOL
+
+
+def test_position_zero_starts_a_new_sequence():
+    """Like KV slots, DeltaNet states need no reset between sequences: a forward at position 0 starts
+    from zero states, on a cache used before (one-token prompts take a different path than longer ones)."""
+    _, ours = hf_pair("dense")
+    used = ours.new_cache(1, 64)
+    with torch.no_grad():
+        for sizes in ([1] * 6, [3, 1, 2]):
+            ours(ids(20, 1), torch.arange(20), used)
+            again = run_chunks(ours, ids(6, 2), sizes, used)
+            fresh = run_chunks(ours, ids(6, 2), sizes, ours.new_cache(1, 64))
+            assert (again - fresh).abs().max() <= 1e-6
+
+
+def test_keep_refuses_what_it_cannot_roll_back():
+    _, ours = hf_pair("dense")
+    cache = ours.new_cache(1, 64, rollback_tokens=8)
+    with torch.no_grad():
+        ours(ids(12, 1), torch.arange(12), cache)  # longer than rollback_tokens: not recorded
+        with pytest.raises(RuntimeError):
+            cache.keep(3)
+        ours(ids(1, 2), torch.tensor([12]), cache)  # a decode step
+        cache.keep(1)  # keeping everything is always fine
+        with pytest.raises(RuntimeError):
+            cache.keep(0)
+        ours(ids(4, 3), torch.arange(13, 17), cache)
+        with pytest.raises(ValueError):
+            cache.keep(5)
+    with pytest.raises(UserError):
+        ours.new_cache(1, 64, rollback="rewind")
+
+
+# --- the speculative contract on hybrid targets -------------------------------------------------------------
+TOKENIZER = tiny_tokenizer()
+
+
+def greedy(target, prompt: list[int], new_tokens: int, drafter=None, block: int = 1, rollback="capture"):
+    """Greedy token ids of a plain (no drafter) or speculative engine; end tokens do not stop it."""
+    engine = Engine(target, TOKENIZER, drafter, block_size=block if drafter else None, spec="on")
+    engine.stop_ids = frozenset()
+    if drafter is not None:
+        engine.cache = engine.steps.cache = target.new_cache(1, engine.max_ctx, rollback=rollback)
+    return engine.complete(prompt, SamplingParams(max_new_tokens=new_tokens))
+
+
+@pytest.mark.parametrize("rollback", ["capture", "replay"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_greedy_speculative_equals_plain(kind, rollback):
+    """A random drafter at every block size 2..16 (its drafts are mostly rejected)."""
+    target = hybrid_target(kind)
+    drafter = tiny_drafter(drafter_config(target.cfg, taps=(1, 3)))
+    prompt = ids(19, 19, high=90)[0].tolist()
+    want = greedy(target, prompt, 10).token_ids
+    assert len(set(want)) > 5  # a non-degenerate continuation
+    for block in range(2, 17):
+        assert greedy(target, prompt, 10, drafter, block, rollback).token_ids == want, block
+
+
+def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int):
+    """Drafts = the true continuation, spoiled now and then at shifting offsets, so that verify steps
+    accept every length from none to the whole block (as in tests/test_spec_contract.py)."""
+    calls = {"n": 0}
+
+    def propose(drafter, target, context, last, q_pos):
+        start, size = int(q_pos[0]), q_pos.shape[0]
+        calls["n"] += 1
+        out = []
+        for k in range(1, size):
+            i = start + k - prompt_len
+            tok = reference[i] if i < len(reference) else 5
+            if wrong_every and (calls["n"] + k) % wrong_every == 0:
+                tok = (tok + 1) % 90
+            out.append(tok)
+        return torch.tensor(out)
+
+    monkeypatch.setattr(spec_module, "propose", propose)
+
+
+@pytest.mark.parametrize("rollback", ["capture", "replay"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_every_accepted_length_rolls_back_exactly(monkeypatch, kind, rollback):
+    target = hybrid_target(kind)
+    drafter = tiny_drafter(drafter_config(target.cfg, taps=(1, 3)))
+    prompt = ids(9, 9, high=90)[0].tolist()
+    want = greedy(target, prompt, 60).token_ids
+    accepted = set()
+    for block, wrong_every in ((16, 0), (16, 11), (16, 13), (16, 17), (5, 3)):
+        oracle(monkeypatch, want, len(prompt), wrong_every)
+        got = greedy(target, prompt, 60, drafter, block, rollback)
+        assert got.token_ids == want, (block, wrong_every)
+        accepted |= {n for n, steps in enumerate(got.spec.histogram) if steps}
+    assert accepted == set(range(16))  # every keep(n + 1) of a 16-block, full rejection included
+
+
+def test_sampled_output_distribution_matches_target(monkeypatch):
+    """As tests/test_sampling.py: the third sampled token follows the target's exact distribution when
+    the drafter proposes each position's most likely token (drafts often accepted, often rolled back)."""
+    vocab = 10
+    target = hybrid_target("dense", vocab_size=vocab, std=0.5, seed=3)
+    engine = Engine(target, tiny_tokenizer(vocab), tiny_drafter(drafter_config(target.cfg, block_size=4)),
+                    spec="on")
+    engine.stop_ids = frozenset()
+    prompt = [4, 7, 5]
+    params = SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3)
+
+    def probs(tokens):
+        with torch.no_grad():
+            logits = target(torch.tensor([tokens]), torch.arange(len(tokens)), target.new_cache(1, 8))[0][0, -1]
+        return target_probs(logits, params).double()
+
+    second = torch.zeros(vocab, dtype=torch.float64)
+    third = torch.zeros(vocab, dtype=torch.float64)
+    p1 = probs(prompt)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = probs(prompt + [t1])
+        second += p1[t1] * p2
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
+    modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
+    monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos: torch.tensor(
+        [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])]))
+    n = 500
+    counts: dict[int, int] = {}
+    accepted = 0
+    for seed in range(n):
+        out = engine.complete(prompt, SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3, seed=seed))
+        counts[out.token_ids[2]] = counts.get(out.token_ids[2], 0) + 1
+        accepted += out.spec.accepted_tokens
+    assert chi_square_p(counts, third, n) > 1e-3
+    assert 50 < accepted < 2 * n  # drafts were both accepted and rejected
+
+
+def test_left_padded_batch_matches_single_rows():
+    _, ours = hf_pair("moe")
+    a, b = ids(9, 5)[0], ids(5, 6)[0]
+    batch = torch.stack([a, torch.cat([torch.zeros(4, dtype=torch.long), b])])
+    key_mask = torch.ones(2, 64, dtype=torch.bool)
+    key_mask[1, :4] = False
+    with torch.no_grad():
+        logits, _ = ours(batch, torch.arange(9), ours.new_cache(2, 64), key_mask=key_mask)
+        la, _ = ours(a[None], torch.arange(9), ours.new_cache(1, 64))
+        lb, _ = ours(b[None], torch.arange(5), ours.new_cache(1, 64))
+    assert (logits[0] - la[0]).abs().max() <= TOL
+    assert (logits[1, 4:] - lb[0]).abs().max() <= TOL
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_saved_checkpoint_generates_like_transformers(tmp_path, kind):
+    """save_pretrained -> load_target; greedy plain and speculative output == transformers' generate."""
+    hf, _ = hf_pair(kind, vocab_size=VOCAB)
+    hf.save_pretrained(tmp_path)
+    target, _ = load_target(str(tmp_path))
+    prompt = ids(9, 7, high=90)
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = ref[0, 9:].tolist()
+    engine = Engine(target, TOKENIZER)
+    engine.stop_ids = frozenset()
+    assert engine.complete(prompt[0].tolist(), SamplingParams(max_new_tokens=20)).token_ids == want
+    spec = Engine(target, TOKENIZER, tiny_drafter(drafter_config(target.cfg), dtype=torch.float32), block_size=5,
+                  spec="on")
+    spec.stop_ids = frozenset()
+    assert spec.complete(prompt[0].tolist(), SamplingParams(max_new_tokens=20)).token_ids == want
+
+
+def test_multimodal_checkpoint_names():
+    """A ForConditionalGeneration checkpoint: nested text_config, model.language_model.* names, vision tower
+    and multi-token-prediction weights that the target does not use."""
+    hf, ours = hf_pair("dense")
+    state = {k.replace("model.", "model.language_model.", 1): v for k, v in hf.state_dict().items()}
+    state["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    state["mtp.fc.weight"] = torch.zeros(3, 3)
+    text = hf.config.to_dict()
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False})
+    loaded = build_from_state(cfg, state, "cpu", torch.float32)
+    tokens = ids(12, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, torch.arange(12), loaded.new_cache(1, 16))[0],
+                           ours(tokens, torch.arange(12), ours.new_cache(1, 16))[0])
+
+
+def test_cost_accounting():
+    _, ours = hf_pair("moe")
+    cfg = ours.cfg
+    assert ours.attention_layer_count() == 2
+    assert ours.kv_bytes_per_token() == 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    # per DeltaNet layer: conv state (K-1 inputs of q, k, v channels) + recurrent state (Hv x Dk x Dv),
+    # and their copy from the start of the last verify
+    assert ours.state_bytes(2) == 2 * 3 * 2 * ((2 * 2 * 16 + 4 * 8) * 3 + 4 * 16 * 8) * 4
+    cache = ours.new_cache(2, 32)
+    assert cache.nbytes == ours.kv_bytes_per_token() * 32 * 2 + ours.state_bytes(2)
+    assert ours.decode_weight_bytes() < ours.weight_bytes()  # only routed experts are read
