@@ -35,7 +35,7 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     if device.type != "cuda":
         raise UserError("bench memory measures CUDA allocations; run it on a GPU")
-    cases = [(8192, "f32"), (8192, "q4_0"), (4096, "f32")]
+    cases = [(8192, "f32"), (8192, "q4_0")]
     results = [measure(EngineConfig(model=args.model, draft=args.draft, device=args.device, max_ctx=ctx,
                                     feature_dtype=fmt, spec="on"), min(ctx, 8192) - args.max_new_tokens - 64,
                        args.max_new_tokens) for ctx, fmt in cases]

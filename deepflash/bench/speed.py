@@ -23,9 +23,10 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: SamplingParams) -> dict:
-    """Warm up (graph capture) on the first prompt, then time every prompt end to end."""
-    engine.complete(prompts[0], SamplingParams(max_new_tokens=min(max_new, 32), temperature=params.temperature,
-                                               seed=params.seed))
+    """One untimed pass over the prompts (every CUDA graph variant gets captured), then time each prompt
+    end to end."""
+    for ids in prompts:
+        engine.complete(ids, params)
     tokens = steps = committed = 0
     wall = decode = 0.0
     for ids in prompts:

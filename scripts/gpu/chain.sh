@@ -6,13 +6,13 @@ set -uo pipefail
 source scripts/gpu/env.sh
 ROOT=${ROOT:-/root}
 DEVICE=${DEVICE:-cuda}
-COUNT=${COUNT:-3000}
-MAX_NEW=${MAX_NEW:-384}
-TRAIN_MINUTES=${TRAIN_MINUTES:-6}
-PICK_PROMPTS=${PICK_PROMPTS:-40}
-ACCEPT_ARGS=${ACCEPT_ARGS:---per-depth 3 --max-new-tokens 192}
-SPEED_ARGS=${SPEED_ARGS:---prompts 8 --max-new-tokens 128}
-SMOKE_ARGS=${SMOKE_ARGS:---prompts 3 --max-new-tokens 96}
+COUNT=${COUNT:-2500}
+MAX_NEW=${MAX_NEW:-320}
+TRAIN_MINUTES=${TRAIN_MINUTES:-5}
+PICK_PROMPTS=${PICK_PROMPTS:-24}
+ACCEPT_ARGS=${ACCEPT_ARGS:---per-depth 2 --max-new-tokens 128}
+SPEED_ARGS=${SPEED_ARGS:---prompts 5 --max-new-tokens 128}
+SMOKE_ARGS=${SMOKE_ARGS:---prompts 3 --max-new-tokens 64}
 R=$ROOT/results
 DATA=$ROOT/data
 RUN=$ROOT/run

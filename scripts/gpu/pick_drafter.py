@@ -1,4 +1,4 @@
-"""Pick the drafter to ship: HumanEval acceptance (40 prompts, greedy) of each candidate against its
+"""Pick the drafter to ship: HumanEval acceptance (--prompts prompts, greedy, 128 tokens) of each candidate against its
 size; the smaller one wins unless the larger accepts at least 5% more. Copies it into --into."""
 
 import argparse
@@ -36,7 +36,7 @@ def main():
             rows.append({"drafter": path, "error": "missing"})
             continue
         drafter = load_drafter(path, dev, dtype)
-        r = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=192))
+        r = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128))
         size = (Path(path) / "model.safetensors").stat().st_size
         rows.append({"drafter": path, "layers": drafter.cfg.num_layers, "bytes": size,
                      "acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"]})
