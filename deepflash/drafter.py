@@ -17,13 +17,13 @@ from torch import nn
 
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention
+from .models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, fold_mask
 
 
 def attend(q, k, v, mask):
     """Attention with an explicit boolean mask (SDPA) or a flex_attention BlockMask (training on CUDA)."""
     if isinstance(mask, torch.Tensor):
-        return attention(q, k, v, mask)
+        return attention(q, k, v, fold_mask(mask, q.shape[1] // k.shape[1]))
     from .train.flex import flex_attend
 
     return flex_attend(q, k, v, mask)

@@ -11,7 +11,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv import KVCache, causal_mask
 from .base import TargetModel
-from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention
+from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fold_mask
 
 
 class Attention(nn.Module):
@@ -87,7 +87,7 @@ class LlamaModel(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
-        mask = causal_mask(positions, kv_len, key_mask)
+        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads)
         taps = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):

@@ -22,7 +22,7 @@ from ..kv import KVCache, causal_mask
 from .base import TargetModel
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
 from .hybrid_cache import ROLLBACK_MODES, HybridCache
-from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention
+from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention, fold_mask
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -184,7 +184,8 @@ class Qwen35Model(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         live = None if key_mask is None else key_mask[:, positions]
-        step = Step(cos, sin, positions, cache, kv_len, causal_mask(positions, kv_len, key_mask), live)
+        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads)
+        step = Step(cos, sin, positions, cache, kv_len, mask, live)
         taps = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
