@@ -82,6 +82,21 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+def _decoder_shape(cfg: dict) -> dict:
+    """The fields targets and drafters share, from an HF config (head_dim and kv heads defaulted)."""
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig.from_hf(cfg),
+    )
+
+
 def _text_config(cfg: dict) -> dict:
     """Multimodal wrappers (Qwen3.5 ...ForConditionalGeneration) nest the language model's config."""
     text = cfg.get("text_config")
@@ -129,21 +144,12 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} ({cfg.get('architectures')}); "
                 f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
         moe = model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size") or 0),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            **_decoder_shape(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rope=RopeConfig.from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=model_type != "llama",
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -205,22 +211,13 @@ class DrafterConfig:
         if ids is None or mask is None:
             raise UserError("drafter config.json lacks dflash_config.target_layer_ids or mask_token_id")
         layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
         max_pos = int(cfg.get("max_position_embeddings", 40960))
         layer_types = tuple(cfg.get("layer_types") or ["full_attention"] * layers)
         if len(layer_types) != layers or set(layer_types) - {"full_attention", "sliding_attention"}:
             raise UserError(f"drafter layer_types {list(layer_types)} must list {layers} of full/sliding_attention")
         softcap = dflash.get("final_logit_softcapping")
         return cls(
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf(cfg),
+            **_decoder_shape(cfg),
             layer_types=layer_types,
             sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),

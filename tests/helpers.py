@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -74,3 +75,80 @@ def save_tiny_drafter(folder: Path, **overrides) -> Path:
     save_drafter(tiny_drafter(drafter_config(llama_config(), **overrides), dtype=torch.float32), folder,
                  dtype=torch.float32)
     return folder
+
+
+def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int = 0) -> None:
+    """Replace the drafter's proposals by the true continuation (optionally spoiled now and then at
+    shifting offsets), so that long accepted runs, every accepted length, and stops and length limits
+    inside a block get exercised."""
+    import deepflash.spec as spec_module
+
+    calls = {"n": 0}
+
+    def propose(drafter, target, context, last, q_pos):
+        start, size = int(q_pos[0]), q_pos.shape[0]
+        calls["n"] += 1
+        out = []
+        for k in range(1, size):
+            i = start + k - prompt_len
+            tok = reference[i] if i < len(reference) else 5
+            if wrong_every and (calls["n"] + k) % wrong_every == 0:
+                tok = (tok + 1) % 90
+            out.append(tok)
+        return torch.tensor(out)
+
+    monkeypatch.setattr(spec_module, "propose", propose)
+
+
+def chi_square_p(counts: dict, probs: torch.Tensor, n: int) -> float:
+    """p-value of observed counts against expected probabilities (bins with expectation < 5 merged)."""
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.tensor([counts.get(i, 0) for i in range(len(probs))], dtype=torch.float64)
+    o = torch.cat([obs[big], obs[~big].sum()[None]])
+    e = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    dof = int(keep.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square survival function
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def third_token_check(engine, monkeypatch, runs: int, propose_modes: bool) -> tuple[float, int]:
+    """Sample 3 tokens after a fixed prompt `runs` times (seeds 0..runs-1); return the chi-square p-value
+    of the third token against the target's exact distribution, and the drafts accepted. With
+    `propose_modes` the drafter proposes each position's most likely token, so drafts are often (not
+    always) accepted."""
+    import deepflash.spec as spec_module
+    from deepflash.sampling import SamplingParams, target_probs
+
+    target, vocab = engine.target, engine.target.cfg.vocab_size
+    engine.stop_ids = frozenset()  # every run yields exactly three tokens
+    prompt = [4, 7, 5]
+    params = SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3)
+
+    def probs(ids):
+        with torch.no_grad():
+            logits = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(1, 8))[0][0, -1]
+        return target_probs(logits, params).double()
+
+    second = torch.zeros(vocab, dtype=torch.float64)
+    third = torch.zeros(vocab, dtype=torch.float64)
+    p1 = probs(prompt)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = probs(prompt + [t1])
+        second += p1[t1] * p2
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
+    if propose_modes:
+        modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
+        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos: torch.tensor(
+            [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])]))
+    counts: dict[int, int] = {}
+    accepted = 0
+    for seed in range(runs):
+        out = engine.complete(prompt, SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3, seed=seed))
+        counts[out.token_ids[2]] = counts.get(out.token_ids[2], 0) + 1
+        accepted += out.spec.accepted_tokens if out.spec is not None else 0
+    return chi_square_p(counts, third, runs), accepted

@@ -5,16 +5,14 @@ the speculative contract on hybrid targets, and loading saved checkpoints."""
 import pytest
 import torch
 
-import deepflash.spec as spec_module
 from deepflash.config import ModelConfig
 from deepflash.engine import Engine
 from deepflash.errors import UserError
 from deepflash.models import build_from_state, load_target, random_model
 from deepflash.models.delta_rule import chunked_form, recurrent_form, state_after_prefix
 from deepflash.models.gated_deltanet import l2_normalize
-from deepflash.sampling import SamplingParams, target_probs
-from helpers import EOS, VOCAB, drafter_config, tiny_drafter, tiny_tokenizer
-from test_sampling import chi_square_p
+from deepflash.sampling import SamplingParams
+from helpers import EOS, VOCAB, drafter_config, oracle, third_token_check, tiny_drafter, tiny_tokenizer
 
 TOL = 1e-4
 TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -206,26 +204,6 @@ def test_greedy_speculative_equals_plain(kind, rollback):
         assert greedy(target, prompt, 10, drafter, block, rollback).token_ids == want, block
 
 
-def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int):
-    """Drafts = the true continuation, spoiled now and then at shifting offsets, so that verify steps
-    accept every length from none to the whole block (as in tests/test_spec_contract.py)."""
-    calls = {"n": 0}
-
-    def propose(drafter, target, context, last, q_pos):
-        start, size = int(q_pos[0]), q_pos.shape[0]
-        calls["n"] += 1
-        out = []
-        for k in range(1, size):
-            i = start + k - prompt_len
-            tok = reference[i] if i < len(reference) else 5
-            if wrong_every and (calls["n"] + k) % wrong_every == 0:
-                tok = (tok + 1) % 90
-            out.append(tok)
-        return torch.tensor(out)
-
-    monkeypatch.setattr(spec_module, "propose", propose)
-
-
 @pytest.mark.parametrize("rollback", ["capture", "replay"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_every_accepted_length_rolls_back_exactly(monkeypatch, kind, rollback):
@@ -245,39 +223,11 @@ def test_every_accepted_length_rolls_back_exactly(monkeypatch, kind, rollback):
 def test_sampled_output_distribution_matches_target(monkeypatch):
     """As tests/test_sampling.py: the third sampled token follows the target's exact distribution when
     the drafter proposes each position's most likely token (drafts often accepted, often rolled back)."""
-    vocab = 10
-    target = hybrid_target("dense", vocab_size=vocab, std=0.5, seed=3)
-    engine = Engine(target, tiny_tokenizer(vocab), tiny_drafter(drafter_config(target.cfg, block_size=4)),
-                    spec="on")
-    engine.stop_ids = frozenset()
-    prompt = [4, 7, 5]
-    params = SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3)
-
-    def probs(tokens):
-        with torch.no_grad():
-            logits = target(torch.tensor([tokens]), torch.arange(len(tokens)), target.new_cache(1, 8))[0][0, -1]
-        return target_probs(logits, params).double()
-
-    second = torch.zeros(vocab, dtype=torch.float64)
-    third = torch.zeros(vocab, dtype=torch.float64)
-    p1 = probs(prompt)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = probs(prompt + [t1])
-        second += p1[t1] * p2
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
-    modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
-    monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos: torch.tensor(
-        [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])]))
-    n = 500
-    counts: dict[int, int] = {}
-    accepted = 0
-    for seed in range(n):
-        out = engine.complete(prompt, SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3, seed=seed))
-        counts[out.token_ids[2]] = counts.get(out.token_ids[2], 0) + 1
-        accepted += out.spec.accepted_tokens
-    assert chi_square_p(counts, third, n) > 1e-3
-    assert 50 < accepted < 2 * n  # drafts were both accepted and rejected
+    target = hybrid_target("dense", vocab_size=10, std=0.5, seed=3)
+    engine = Engine(target, tiny_tokenizer(10), tiny_drafter(drafter_config(target.cfg, block_size=4)), spec="on")
+    p_value, accepted = third_token_check(engine, monkeypatch, 500, propose_modes=True)
+    assert p_value > 1e-3
+    assert 50 < accepted < 1000  # drafts were both accepted and rejected
 
 
 def test_left_padded_batch_matches_single_rows():

@@ -4,10 +4,9 @@ for any drafter (random weights included), block size, prompt length and stop co
 import pytest
 import torch
 
-import deepflash.spec as spec_module
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
-from helpers import EOS, drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+from helpers import EOS, drafter_config, oracle, tiny_drafter, tiny_target, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
 TARGET = tiny_target()
@@ -33,26 +32,6 @@ def test_random_drafter_matches_plain(block, length, sliding):
     assert spec.token_ids == ref.token_ids and spec.text == ref.text
     assert spec.finish_reason == ref.finish_reason
     assert spec.spec.committed + spec.spec.plain_steps + 1 >= len(spec.token_ids)
-
-
-def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int = 0):
-    """Replace the drafter's proposals by the true continuation (optionally spoiled now and then), so
-    that long accepted runs, stops and length limits inside a block get exercised."""
-    calls = {"n": 0}
-
-    def propose(drafter, target, context, last, q_pos):
-        start, size = int(q_pos[0]), q_pos.shape[0]
-        calls["n"] += 1
-        out = []
-        for k in range(1, size):
-            i = start + k - prompt_len
-            tok = reference[i] if i < len(reference) else 5
-            if wrong_every and (calls["n"] + k) % wrong_every == 0:
-                tok = (tok + 1) % 90
-            out.append(tok)
-        return torch.tensor(out)
-
-    monkeypatch.setattr(spec_module, "propose", propose)
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3, 7])

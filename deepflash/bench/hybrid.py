@@ -9,13 +9,12 @@ keep(block) is a no-op for replay and a full rebuild for capture (a device n is 
 Eager steps include Python launch overhead; on CUDA the steps are also captured as CUDA graphs (as the
 engine runs them), where a capture-mode keep must share its verify's graph: "verify + keep(n)".
 
-    python -m deepflash.bench.hybrid --device cuda --out hybrid.json
-    python -m deepflash.bench.hybrid --device cpu --tiny
+    deepflash bench hybrid --device cuda --out hybrid.json
+    deepflash bench hybrid --device cpu --tiny
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import time
@@ -144,23 +143,6 @@ def run(device: str = "cuda", json_path: str | None = None, *, tiny: bool = Fals
     if graph:
         table(f"{title}: CUDA-graph steps", ["step", "ms"], [[k, v] for k, v in graph.items()])
     return finish(record, json_path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", help="write the JSON record here")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
-    parser.add_argument("--prompt", type=int, help="prompt tokens (default 512, tiny 32)")
-    parser.add_argument("--block", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args(argv)
-    run(args.device, args.out, tiny=args.tiny, prompt=args.prompt, block=args.block, iters=args.iters)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def register(sub) -> None:

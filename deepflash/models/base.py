@@ -45,9 +45,20 @@ class TargetModel(nn.Module):
             x = x[:, -1:]
         return self.lm_head(x)
 
-    @staticmethod
-    def gather_taps(taps: dict[int, torch.Tensor], capture) -> torch.Tensor | None:
-        return torch.cat([taps[i] for i in capture], dim=-1) if capture else None
+    def run_layers(self, x: torch.Tensor, run_layer, capture, logits: str):
+        """The decoder stack, final norm and head; collects the residual outputs of the `capture` layers
+        (transformers' hidden_states[i + 1]: the last layer's is the normed state) concatenated."""
+        taps = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = run_layer(i, layer, x)
+            if i in capture and i != last:
+                taps[i] = x
+        x = self.model.norm(x)
+        if last in capture:
+            taps[last] = x
+        features = torch.cat([taps[i] for i in capture], dim=-1) if capture else None
+        return self.project(x, logits), features
 
     # --- cost accounting (memory plan, MBU in the benchmarks) ---------------------------------------
     def weight_bytes(self) -> int:

@@ -5,7 +5,6 @@ Parameter names equal the transformers checkpoint names, so a state dict loads w
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..config import ModelConfig
@@ -88,13 +87,5 @@ class LlamaModel(TargetModel):
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads)
-        taps = {}
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, cache, i, kv_len, mask)
-            if i in capture and i != last:
-                taps[i] = x
-        x = self.model.norm(x)
-        if last in capture:
-            taps[last] = x  # transformers' last hidden state is the normed one
-        return self.project(x, logits), self.gather_taps(taps, capture)
+        return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, positions, cache, i, kv_len, mask),
+                               capture, logits)

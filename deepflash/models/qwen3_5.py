@@ -186,16 +186,7 @@ class Qwen35Model(TargetModel):
         live = None if key_mask is None else key_mask[:, positions]
         mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads)
         step = Step(cos, sin, positions, cache, kv_len, mask, live)
-        taps = {}
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, step)
-            if i in capture and i != last:
-                taps[i] = x
-        x = self.model.norm(x)
-        if last in capture:
-            taps[last] = x  # transformers' last hidden state is the normed one
-        return self.project(x, logits), self.gather_taps(taps, capture)
+        return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits)
 
     # --- cost accounting -------------------------------------------------------------------------------
     @property
