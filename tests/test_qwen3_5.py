@@ -291,3 +291,30 @@ def test_cost_accounting():
     cache = ours.new_cache(2, 32)
     assert cache.nbytes == ours.kv_bytes_per_token() * 32 * 2 + ours.state_bytes(2)
     assert ours.decode_weight_bytes() < ours.weight_bytes()  # only routed experts are read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla kernels run on CUDA only")
+def test_fla_kernels_agree_with_the_torch_forms():
+    """The flash-linear-attention Triton kernels against our chunked and recurrent forms (GPU run:
+    carry the fla-core wheel, see scripts/gpu/wheels.sh)."""
+    from deepflash.models.delta_rule import fla_available, fla_form
+
+    device = torch.device("cuda")
+    if not fla_available(device):
+        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    b, t, h, dk, dv = 1, 37, 4, 64, 64
+    q, k = (torch.randn(b, t, h, dk, generator=gen).to(device) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=gen).to(device)
+    g = -torch.rand(b, t, h, generator=gen).to(device)
+    beta = torch.rand(b, t, h, generator=gen).to(device)
+    state = torch.randn(b, h, dk, dv, generator=gen).to(device) * 0.1
+    qt, kt, vt, gt, bt = (x.transpose(1, 2) for x in (q, k, v, g, beta))
+    qn = l2_normalize(qt) / dk**0.5
+    kn = l2_normalize(kt)
+    for recurrent, form in ((False, chunked_form), (True, recurrent_form)):
+        out, final = fla_form(q, k, v, g, beta, state.clone(), recurrent=recurrent)
+        ref_out, ref_final, _ = form(qn, kn, vt, gt, bt, state.clone())
+        assert (out.transpose(1, 2) - ref_out).abs().max() < 2e-3
+        assert (final - ref_final).abs().max() < 2e-3

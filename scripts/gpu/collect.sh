@@ -2,8 +2,7 @@
 # Last run: results (JSON, PNG, logs) as one archive, the drafter's weights split under the 16 MiB limit.
 set -uo pipefail
 cd /root/deepflash
-cp -r /root/run-l3/train.jsonl /root/results/train-l3.jsonl 2>/dev/null
-cp -r /root/run-l1/train.jsonl /root/results/train-l1.jsonl 2>/dev/null
+cp /root/run/train.jsonl /root/results/train.jsonl 2>/dev/null
 cp /root/data/summary.json /root/results/data-summary.json 2>/dev/null
 tar czf "$OUT/results.tgz" -C /root results
 D=deepflash/drafters/smollm2-135m
