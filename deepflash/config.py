@@ -309,6 +309,7 @@ class EngineConfig:
     feat_ring_cap: int | None = None
     trained_ctx: int | None = None
     spec: str = "auto"
+    compile: bool = False  # torch.compile the decode steps (fewer, fused kernels; minutes of compiling)
     reserve_mb: int = 1024  # device memory --max-ctx auto leaves free
 
     def validated(self) -> EngineConfig:

@@ -81,7 +81,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     max_ctx = min(max_ctx or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     engine = Engine(target, tokenizer, drafter, max_ctx=max_ctx, block_size=cfg.block_size,
                     feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
-                    trained_ctx=cfg.trained_ctx, spec=cfg.spec)
+                    trained_ctx=cfg.trained_ctx, spec=cfg.spec, compile=cfg.compile)
     plan = plan_memory(target, drafter, max_ctx, **plan_args)
     name = cfg.model or EMBEDDED_NAME
     return Runtime(engine, tokenizer, target, drafter, name, str(draft_path) if draft_path else None, plan)
@@ -122,6 +122,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--feat-ring-cap", type=int, help="lower the feature window (memory valve)")
     g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length")
     g.add_argument("--spec", default="auto", choices=["auto", "on", "off"], help="speculation policy")
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode steps (slow first call)")
 
 
 def _max_ctx(value: str) -> int | str:
@@ -137,4 +138,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, draft=args.draft, no_draft=args.no_draft, block_size=args.block_size,
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=args.feat_ring_cap,
-                        trained_ctx=args.trained_ctx, spec=args.spec)
+                        trained_ctx=args.trained_ctx, spec=args.spec, compile=args.compile)
