@@ -152,3 +152,19 @@ def third_token_check(engine, monkeypatch, runs: int, propose_modes: bool) -> tu
         counts[out.token_ids[2]] = counts.get(out.token_ids[2], 0) + 1
         accepted += out.spec.accepted_tokens if out.spec is not None else 0
     return chi_square_p(counts, third, runs), accepted
+
+
+def check_left_padded_batch(model, vocab: int, tol: float) -> None:
+    """Batched prompts of different lengths (left-padded, key mask) equal one-by-one runs: how training
+    data is generated."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, vocab, (9,), generator=gen), torch.randint(0, vocab, (5,), generator=gen)
+    batch = torch.stack([a, torch.cat([torch.zeros(4, dtype=torch.long), b])])
+    key_mask = torch.ones(2, 64, dtype=torch.bool)
+    key_mask[1, :4] = False
+    with torch.no_grad():
+        logits, _ = model(batch, torch.arange(9), model.new_cache(2, 64), key_mask=key_mask)
+        la, _ = model(a[None], torch.arange(9), model.new_cache(1, 64))
+        lb, _ = model(b[None], torch.arange(5), model.new_cache(1, 64))
+    assert (logits[0] - la[0]).abs().max() <= tol
+    assert (logits[1, 4:] - lb[0]).abs().max() <= tol

@@ -6,6 +6,7 @@ import torch
 from deepflash.config import ModelConfig, RopeConfig
 from deepflash.models import build_from_state
 from deepflash.models.layers import rope_frequencies
+from helpers import check_left_padded_batch
 
 TOL = 1e-4
 
@@ -77,19 +78,8 @@ def test_truncate_and_continue(kind):
 
 
 def test_left_padded_batch_matches_single_rows():
-    """Batched prompts of different lengths (used to generate training data) equal one-by-one runs."""
     _, ours = hf_pair("qwen3")
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randint(0, 128, (9,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
-    batch = torch.stack([a, torch.cat([torch.zeros(4, dtype=torch.long), b])])
-    key_mask = torch.ones(2, 64, dtype=torch.bool)
-    key_mask[1, :4] = False
-    with torch.no_grad():
-        logits, _ = ours(batch, torch.arange(9), ours.new_cache(2, 64), key_mask=key_mask)
-        la, _ = ours(a[None], torch.arange(9), ours.new_cache(1, 64))
-        lb, _ = ours(b[None], torch.arange(5), ours.new_cache(1, 64))
-    assert (logits[0] - la[0]).abs().max() <= TOL
-    assert (logits[1, 4:] - lb[0]).abs().max() <= TOL
+    check_left_padded_batch(ours, 128, TOL)
 
 
 def test_moe_paths_agree():

@@ -12,7 +12,8 @@ from deepflash.models import build_from_state, load_target, random_model
 from deepflash.models.delta_rule import chunked_form, recurrent_form, state_after_prefix
 from deepflash.models.gated_deltanet import l2_normalize
 from deepflash.sampling import SamplingParams
-from helpers import EOS, VOCAB, drafter_config, oracle, third_token_check, tiny_drafter, tiny_tokenizer
+from helpers import (EOS, VOCAB, check_left_padded_batch, drafter_config, oracle, third_token_check, tiny_drafter,
+                     tiny_tokenizer)
 
 TOL = 1e-4
 TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -232,16 +233,7 @@ def test_sampled_output_distribution_matches_target(monkeypatch):
 
 def test_left_padded_batch_matches_single_rows():
     _, ours = hf_pair("moe")
-    a, b = ids(9, 5)[0], ids(5, 6)[0]
-    batch = torch.stack([a, torch.cat([torch.zeros(4, dtype=torch.long), b])])
-    key_mask = torch.ones(2, 64, dtype=torch.bool)
-    key_mask[1, :4] = False
-    with torch.no_grad():
-        logits, _ = ours(batch, torch.arange(9), ours.new_cache(2, 64), key_mask=key_mask)
-        la, _ = ours(a[None], torch.arange(9), ours.new_cache(1, 64))
-        lb, _ = ours(b[None], torch.arange(5), ours.new_cache(1, 64))
-    assert (logits[0] - la[0]).abs().max() <= TOL
-    assert (logits[1, 4:] - lb[0]).abs().max() <= TOL
+    check_left_padded_batch(ours, VOCAB, TOL)
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------

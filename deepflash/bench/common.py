@@ -36,6 +36,17 @@ def copy_bandwidth(device: torch.device, megabytes: int = 2048, repeats: int = 1
     return 2 * src.nbytes / seconds / 1e9
 
 
+def embedded_pair(device_name: str = "auto"):
+    """The embedded target and its tokenizer on a device, in the engine's default dtype for it."""
+    from ..models import load_target
+    from ..runtime import resolve_device, resolve_dtype
+    from ..tokenizer import load_tokenizer
+
+    device = resolve_device(device_name)
+    target, folder = load_target(None, device, resolve_dtype("auto", device))
+    return target, load_tokenizer(folder)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

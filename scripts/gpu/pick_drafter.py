@@ -6,15 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
 from deepflash.bench.accept import measure
+from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
 from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
-from deepflash.models import load_target
 from deepflash.sampling import SamplingParams
-from deepflash.tokenizer import load_tokenizer
 
 
 def main():
@@ -25,10 +22,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=40)
     args = ap.parse_args()
-    dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target, folder = load_target(None, dev, dtype)
-    tok = load_tokenizer(folder)
+    target, tok = embedded_pair(args.device)
+    dev, dtype = target.device, target.dtype
     prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
     rows = []
     for path in args.candidates:

@@ -7,14 +7,13 @@ import time
 
 import torch
 
+from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
 from deepflash.bench.speed import never_matching_drafter
 from deepflash.config import DrafterConfig
 from deepflash.drafter import DFlashDrafter
 from deepflash.engine import Engine
-from deepflash.models import load_target
 from deepflash.sampling import SamplingParams
-from deepflash.tokenizer import load_tokenizer
 
 
 def main():
@@ -24,10 +23,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
-    dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target, folder = load_target(None, dev, dtype)
-    tok = load_tokenizer(folder)
+    target, tok = embedded_pair(args.device)
+    dev, dtype = target.device, target.dtype
     prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
     cfg = DrafterConfig.from_hf({
         "architectures": ["DFlashDraftModel"], "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2,
