@@ -13,7 +13,7 @@ from deepflash.train.datagen import build_dataset, generate_batch
 from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
 from deepflash.train.prompts import Task
 from deepflash.train.shards import read_all
-from deepflash.train.trainer import TrainConfig, Trainer
+from deepflash.train.trainer import TrainConfig, Trainer, fold_feature_scale
 from helpers import tiny_target, tiny_tokenizer
 
 
@@ -104,6 +104,20 @@ def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     params = SamplingParams(max_new_tokens=20)
     spec = Engine(target, tok, drafter, spec="on").complete(prompt, params)
     assert spec.token_ids == Engine(target, tok).complete(prompt, params).token_ids
+
+
+def test_exported_drafter_reads_raw_features_like_the_trained_one_reads_scaled_ones(dataset, tmp_path):
+    """Training feeds features * scale (trainer module doc); export folds the scale into fc."""
+    target, tok, data, _ = dataset
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, steps=1,
+                     attention="sdpa", mask_token_id=95)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    scale = trainer.feature_scale
+    assert scale.shape == (2 * target.cfg.hidden_size,) and torch.all(scale > 0)
+    raw = torch.randn(7, scale.shape[0]) * 50
+    folded = fold_feature_scale(trainer.drafter, scale)
+    torch.testing.assert_close(folded.fuse(raw), trainer.drafter.fuse(raw * scale), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(folded.fc.weight, trainer.drafter.fc.weight)  # a copy, training state untouched
 
 
 def test_resume_continues_from_the_checkpoint(dataset, tmp_path):

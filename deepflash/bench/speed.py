@@ -10,6 +10,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..drafter import DFlashDrafter
 from ..engine import Engine
+from ..errors import UserError
 from ..models import init_random_, materialize, random_model
 from ..runtime import load_runtime, resolve_device
 from ..sampling import SamplingParams
@@ -98,45 +99,52 @@ def run(args) -> dict:
                        "results": {"qwen3-8b-shaped plain decode": result}}, args.out)
     rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
     if rt.drafter is None:
-        from ..errors import UserError
-
         raise UserError("bench speed needs a drafter (the embedded model ships one; else pass --draft)")
     tok, target = rt.tokenizer, rt.target
     prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
     prompts += depth_prompts(tok, args.long_depth, 1)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    max_new, ctx = args.max_new_tokens, rt.engine.max_ctx
+    engines = {
+        "deepflash plain": lambda: Engine(target, tok, max_ctx=ctx),
+        "deepflash dflash (spec auto)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="auto"),
+        "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
+        "deepflash never-matching drafter, spec auto": lambda: Engine(
+            target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
+        "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),
+        "deepflash dflash compiled": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on", compile=True),
+    }
+    transformers_runs = {
+        "transformers generate": {},
+        "transformers generate, static cache": {"warmups": 2, "cache_implementation": "static"},
+        "transformers prompt lookup (10)": {"prompt_lookup_num_tokens": 10},
+    }
+    wanted = set(args.systems.split(",")) if args.systems else \
+        {name for name in [*engines, *transformers_runs] if "compiled" not in name}
+    unknown = wanted - set(engines) - set(transformers_runs)
+    if unknown:
+        raise UserError(f"--systems: unknown {sorted(unknown)}; choose from {[*engines, *transformers_runs]}")
+    wanted.add("deepflash plain")  # the baseline every ratio is against
     results: dict[str, dict] = {}
 
     def attempt(name, fn):
         try:
             results[name] = fn()
-        except Exception as err:  # noqa: BLE001 - one failed baseline must not lose the others
+        except Exception as err:  # noqa: BLE001 - one failed system must not lose the others
             results[name] = {"error": f"{type(err).__name__}: {err}"}
 
-    attempt("deepflash plain", lambda: run_engine(Engine(target, tok, max_ctx=rt.engine.max_ctx), prompts,
-                                                   args.max_new_tokens, params))
-    attempt("deepflash dflash (spec auto)", lambda: run_engine(Engine(target, tok, rt.drafter, spec="auto"), prompts,
-                                                                args.max_new_tokens, params))
-    attempt("deepflash dflash (spec on)", lambda: run_engine(Engine(target, tok, rt.drafter, spec="on"), prompts,
-                                                              args.max_new_tokens, params))
-    attempt("deepflash never-matching drafter, spec auto", lambda: run_engine(
-        Engine(target, tok, never_matching_drafter(rt.drafter), spec="auto"), prompts, args.max_new_tokens, params))
-    if args.compile:
-        attempt("deepflash plain compiled", lambda: run_engine(Engine(target, tok, compile=True), prompts,
-                                                               args.max_new_tokens, params))
-        attempt("deepflash dflash compiled", lambda: run_engine(Engine(target, tok, rt.drafter, compile=True),
-                                                                prompts, args.max_new_tokens, params))
-    if not args.skip_transformers:
+    for name, make in engines.items():
+        if name in wanted:
+            attempt(name, lambda: run_engine(make(), prompts, max_new, params))
+    if wanted & set(transformers_runs):
         from transformers import AutoModelForCausalLM
 
         from ..weights import resolve_model
 
         hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=target.dtype).to(device)
-        attempt("transformers generate", lambda: run_transformers(hf, prompts, args.max_new_tokens))
-        attempt("transformers generate, static cache", lambda: run_transformers(
-            hf, prompts, args.max_new_tokens, warmups=2, cache_implementation="static"))
-        attempt("transformers prompt lookup (10)", lambda: run_transformers(
-            hf, prompts, args.max_new_tokens, prompt_lookup_num_tokens=10))
+        for name, kwargs in transformers_runs.items():
+            if name in wanted:
+                attempt(name, lambda: run_transformers(hf, prompts, max_new, **kwargs))
         del hf
     if device.type == "cuda" and args.part == "all":
         attempt("qwen3-8b-shaped plain decode", lambda: qwen3_8b_mbu(device, bandwidth))
@@ -161,8 +169,8 @@ def register(sub) -> None:
     p.add_argument("--prompts", type=int, default=20, help="HumanEval prompts (plus one long code-edit prompt)")
     p.add_argument("--long-depth", type=int, default=6000)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--compile", action="store_true", help="also run the torch.compile variants")
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--systems", help="comma list of the systems to run (default: all but the compiled ones, "
+                                     "whose first call compiles for minutes); our plain decode always runs")
     p.add_argument("--part", default="all", choices=["all", "engines", "mbu"],
                    help="engines: the embedded pair and transformers; mbu: the Qwen3-8B-shaped model only")
     p.add_argument("--out", help="JSON file")

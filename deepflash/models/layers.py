@@ -108,6 +108,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears that read the same input, so that one GEMM replaces
+    several: a decode step is bound by kernel launches and weight reads, and one larger GEMV does better
+    on both. The linears' parameters become views into the fused tensors, so names, state_dict and
+    weight accounting are unchanged and nothing is stored twice. Frozen (inference) models only:
+    gradients would reach the fused tensor, not the parameters."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward with HF names gate_proj / up_proj / down_proj."""
 
@@ -116,9 +134,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_projections(self) -> None:
+        """gate and up as one GEMM (fuse_linears); trained modules (the drafter in training) stay unfused."""
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):

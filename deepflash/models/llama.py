@@ -5,12 +5,14 @@ Parameter names equal the transformers checkpoint names, so a state dict loads w
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..kv import KVCache, causal_mask
 from .base import TargetModel
-from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fold_mask
+from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fold_mask, fuse_linears
 
 
 class Attention(nn.Module):
@@ -26,12 +28,19 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """q, k and v as one GEMM (layers.fuse_linears); done when the model is built."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        kv_width = self.kv_heads * self.head_dim
+        q, k, v = F.linear(x, *self.qkv).split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -100,6 +100,7 @@ def cmd_export(args) -> None:
 
     from ..config import DrafterConfig
     from ..drafter import DFlashDrafter, save_drafter
+    from .trainer import fold_feature_scale
 
     path = Path(args.run) / "checkpoint.pt"
     if not path.is_file():
@@ -107,4 +108,5 @@ def cmd_export(args) -> None:
     state = torch.load(path, map_location="cpu", weights_only=False)
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["config"]))
     drafter.load_state_dict(state["drafter"])
+    drafter = fold_feature_scale(drafter, state["feature_scale"])
     print(json.dumps({"drafter": str(save_drafter(drafter, args.out))}))

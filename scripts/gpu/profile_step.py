@@ -1,0 +1,100 @@
+"""Where a plain decode step's time goes: kernels per step and the top kernels by device time (eager,
+under torch.profiler), then decode tok/s with CUDA graphs, for random-weight bf16 targets shaped like
+SmolLM2-135M and Qwen3-8B. Ends with one JSON line."""
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from deepflash.bench.speed import QWEN3_8B
+from deepflash.config import ModelConfig
+from deepflash.engine import Engine
+from deepflash.models import random_model
+from deepflash.sampling import SamplingParams
+from deepflash.tokenizer import word_tokenizer
+
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+               max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def engine_for(shape: dict, device: str, **kw) -> Engine:
+    cfg = ModelConfig.from_hf(shape)
+    target = random_model(cfg, device=device, dtype=torch.bfloat16, on_device=True)
+    engine = Engine(target, word_tokenizer(cfg.vocab_size), max_ctx=2048, **kw)
+    engine.stop_ids = frozenset()  # random weights: always exactly max_new tokens
+    return engine
+
+
+def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
+    params = SamplingParams(max_new_tokens=steps)
+    engine.complete(prompt, params)
+    cuda = torch.cuda.is_available()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU  # CPU: a dry run only
+    with torch.profiler.profile(activities=[activity]) as prof:
+        engine.complete(prompt, params)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == kind:
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += e.device_time if cuda else e.cpu_time
+    count = sum(v[0] for v in by_name.values())
+    busy = sum(v[1] for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:20]
+    # per step including the prompt's one prefill forward spread over the steps (~10 kernels each)
+    return {"kernels_per_step": count / steps, "device_us_per_step": busy / steps,
+            "top": [{"kernel": k[:110], "per_step": n / steps, "us_per_step": t / steps} for k, (n, t) in top]}
+
+
+def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> float:
+    params = SamplingParams(max_new_tokens=tokens)
+    engine.complete(prompt, params)
+    began = time.perf_counter()
+    r = engine.complete(prompt, params)
+    return r.generated_tokens / (time.perf_counter() - began)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd steps (SmolLM2 shape)")
+    args = ap.parse_args()
+    prompt = list(range(100, 356))
+    record = {}
+    for name, shape in [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]:
+        eager = engine_for(shape, args.device, cuda_graphs=False)
+        prof = kernel_profile(eager, prompt, 64)
+        graphs = Engine(eager.target, eager.tokenizer, max_ctx=2048)
+        graphs.stop_ids = frozenset()
+        prof["graphs_tok_per_s"] = decode_rate(graphs, prompt, 256)
+        prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
+        record[name] = prof
+        print(f"== {name}: {prof['kernels_per_step']:.0f} kernels/step, {prof['device_us_per_step']:.0f} us busy/step, "
+              f"graphs {prof['graphs_tok_per_s']:.0f} tok/s, eager {prof['eager_tok_per_s']:.0f} tok/s")
+        for row in prof["top"]:
+            print(f"  {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['kernel']}")
+        del eager, graphs
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.out:
+        open(args.out, "w").write(json.dumps(record, indent=2))
+    if args.compile:  # last: a slow or failing compile must not cost the figures above
+        compiled = engine_for(SMOLLM2, args.device, compile=True)
+        began = time.perf_counter()
+        compiled.complete(prompt, SamplingParams(max_new_tokens=8))
+        record["smollm2-shaped"]["compile_s"] = time.perf_counter() - began
+        record["smollm2-shaped"]["compiled_graphs_tok_per_s"] = decode_rate(compiled, prompt, 256)
+        print(f"== compiled: {record['smollm2-shaped']['compiled_graphs_tok_per_s']:.0f} tok/s "
+              f"after {record['smollm2-shaped']['compile_s']:.0f} s of compiling")
+        if args.out:
+            open(args.out, "w").write(json.dumps(record, indent=2))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
