@@ -23,7 +23,7 @@ from .models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, fold_m
 def attend(q, k, v, mask):
     """Attention with an explicit boolean mask (SDPA) or a flex_attention BlockMask (training on CUDA)."""
     if isinstance(mask, torch.Tensor):
-        return attention(q, k, v, fold_mask(mask, q.shape[1] // k.shape[1]))
+        return attention(q, k, v, fold_mask(mask, q.shape[1] // k.shape[1], q.dtype))
     from .train.flex import flex_attend
 
     return flex_attend(q, k, v, mask)

@@ -11,6 +11,7 @@ it is the first token of the next block.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from .sampling import SamplingParams
 from .spec import StepState, Steps
 from .stats import PhaseTimer, SpecStats
 from .tokenizer import Detokenizer, Tokenizer
+
+PIPELINE_DEPTH = 2  # decode steps queued on the device at once (see Engine._fill)
 
 
 @dataclass
@@ -75,7 +78,7 @@ class Chunk:
 
 @dataclass
 class Sequence:
-    """Host view of one request. The device state (spec.StepState) runs at most one step ahead of it."""
+    """Host view of one request. The device state (spec.StepState) runs up to PIPELINE_DEPTH steps ahead."""
 
     tokens: list[int]
     processed: int  # positions the target has processed once the last collected step is counted
@@ -92,6 +95,7 @@ class Launched:
     kind: str  # "plain" | "spec"
     size: int
     began: float
+    host: torch.Tensor  # this step's own host copy of StepState.result (several steps are in flight)
     ready: torch.cuda.Event | None = None
 
 
@@ -129,7 +133,9 @@ class Engine:
                          } if compile else {}
         self.graphs = StepGraphs(self.state, self.device, enabled=cuda_graphs, cache=self.cache)
         pinned = self.device.type == "cuda"
-        self.host_result = torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
+        self.host_results = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
+                             for _ in range(PIPELINE_DEPTH + 1)]
+        self.launches = 0
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
@@ -144,22 +150,24 @@ class Engine:
         t0 = time.perf_counter()
         self._prefill(seq)
         seq.generated = 1
-        self._postprocess(seq, self._read_result(1))
+        self._postprocess(seq, self.state.result[1:2].tolist())
         prefill_s = time.perf_counter() - t0
         yield Chunk(seq.tracker.stream(), self._take_new(seq))
         t1 = time.perf_counter()
-        launched = self._launch(seq, timer) if not seq.tracker.finished else None
-        while launched is not None:
-            committed = self._collect(seq, launched, spec)
-            # launch the next step before the host digests this one, so the GPU is never idle while
-            # Python detokenizes; if this step ends the output, the next one is simply discarded
-            launched = self._launch(seq, timer) if self._room(seq) > 0 else None
+        self._last_collect = t1
+        inflight: deque[Launched] = deque()
+        self._fill(seq, inflight, timer)
+        while inflight:
+            committed = self._collect(seq, inflight.popleft(), spec)
+            # queue the next step before the host digests this one, so the GPU always has the next
+            # step waiting; steps queued past the end of the output are simply discarded
+            self._fill(seq, inflight, timer)
             self._postprocess(seq, committed)
             yield Chunk(seq.tracker.stream(), self._take_new(seq))
             if seq.tracker.finished:
                 break
-        if launched is not None and launched.ready is not None:
-            launched.ready.synchronize()
+        if inflight and inflight[-1].ready is not None:
+            inflight[-1].ready.synchronize()
         decode_s = time.perf_counter() - t1
         if spec is not None:
             phases = timer.collect()
@@ -194,20 +202,35 @@ class Engine:
         ids = torch.tensor(seq.tokens, device=self.device)
         self.steps.prefill(ids, self.prefill_chunk, seq.params)
 
-    def _room(self, seq: Sequence) -> int:
-        """Tokens the next step may still commit: cut by max_new_tokens and by the context."""
-        wanted = seq.params.max_new_tokens - seq.generated
-        return min(self.max_ctx - 1 - seq.processed, wanted)
+    def _room(self, seq: Sequence, inflight: deque[Launched] | tuple = ()) -> int:
+        """Tokens a step launched after the `inflight` ones may commit: cut by max_new_tokens (each
+        in-flight step commits at least one token) and by the context (each may commit its whole size,
+        and no step may write past the cache)."""
+        wanted = seq.params.max_new_tokens - seq.generated - len(inflight)
+        return min(self.max_ctx - 1 - self._processed_bound(seq, inflight), wanted)
+
+    @staticmethod
+    def _processed_bound(seq: Sequence, inflight: deque[Launched] | tuple) -> int:
+        """Positions processed once the in-flight steps are done, at most."""
+        return seq.processed + sum(launched.size for launched in inflight)
+
+    def _fill(self, seq: Sequence, inflight: deque[Launched], timer: PhaseTimer) -> None:
+        """Keep PIPELINE_DEPTH steps queued on the device while the output may still grow. Each step
+        reads its inputs from the device state the previous one left, so queueing needs no host sync;
+        the GPU then never waits for the host's sync, detokenization and next launch."""
+        while len(inflight) < PIPELINE_DEPTH and not seq.tracker.finished and self._room(seq, inflight) > 0:
+            inflight.append(self._launch(seq, inflight, timer))
 
     @torch.no_grad()
-    def _launch(self, seq: Sequence, timer: PhaseTimer) -> Launched:
+    def _launch(self, seq: Sequence, inflight: deque[Launched], timer: PhaseTimer) -> Launched:
         """Schedule and start one step (plain or speculative) on the device; nothing waits for it."""
-        size = min(self.block_size, self._room(seq))
+        size = min(self.block_size, self._room(seq, inflight))
+        processed = self._processed_bound(seq, inflight)
         began = time.perf_counter()
         params = seq.params
         sampling = (params.temperature, params.top_k, params.top_p)
         if self.drafter is not None and size >= 2 and self.controller.use_spec():
-            kv_len = kv_bucket(seq.processed + size, self.max_ctx)
+            kv_len = kv_bucket(processed + size, self.max_ctx)
             draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
             timer.start("draft")
             self.graphs.run(("draft", size), lambda: draft(size))
@@ -217,17 +240,19 @@ class Engine:
             timer.stop()
             kind = "spec"
         else:
-            kv_len = kv_bucket(seq.processed + 1, self.max_ctx)
+            kv_len = kv_bucket(processed + 1, self.max_ctx)
             plain = self._step_fn("plain", 1)
             self.graphs.run(("plain", kv_len) + sampling, lambda: plain(kv_len, params))
             kind, size = "plain", 1
         # the host learns the outcome from one small copy; the device already advanced its own inputs
-        self.host_result[: size + 1].copy_(self.state.result[: size + 1], non_blocking=True)
+        host = self.host_results[self.launches % len(self.host_results)]
+        self.launches += 1
+        host[: size + 1].copy_(self.state.result[: size + 1], non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(kind, size, began, ready)
+        return Launched(kind, size, began, host, ready)
 
     def _step_fn(self, name: str, size: int):
         if name in self.compiled and (name == "plain" or size == self.block_size):
@@ -235,8 +260,11 @@ class Engine:
         return getattr(self.steps, name)
 
     def _collect(self, seq: Sequence, launched: Launched, spec: SpecStats | None) -> list[int]:
-        committed = self._read_result(launched.size, launched.ready)
-        seconds = time.perf_counter() - launched.began
+        committed = self._read_result(launched)
+        now = time.perf_counter()
+        # a queued step starts when the previous one ends: its own time runs from the later of the two
+        seconds = now - max(launched.began, self._last_collect)
+        self._last_collect = now
         seq.processed += len(committed)
         seq.generated += len(committed)
         if launched.kind == "spec":
@@ -247,13 +275,12 @@ class Engine:
             self.controller.record_plain(seconds)
         return committed
 
-    def _read_result(self, size: int, ready: torch.cuda.Event | None = None) -> list[int]:
-        """Committed tokens of the last step: result = [accepted, token_1, ...] (the step's one sync)."""
-        if ready is not None:
-            ready.synchronize()
-        else:
-            self.host_result[: size + 1].copy_(self.state.result[: size + 1])
-        values = self.host_result[: size + 1].tolist()
+    @staticmethod
+    def _read_result(launched: Launched) -> list[int]:
+        """Committed tokens of a step: result = [accepted, token_1, ...] (the step's one sync)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        values = launched.host[: launched.size + 1].tolist()
         return values[1 : values[0] + 2]
 
     def _postprocess(self, seq: Sequence, committed: list[int]) -> None:

@@ -221,16 +221,20 @@ class SparseMoe(nn.Module):
         return self.experts(flat, experts, weights).reshape(shape)
 
 
-def fold_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
-    """A [T, S] or [B, 1, T, S] mask for `attention` with `groups` query heads per K/V head (built once
-    per forward, shared by all layers)."""
-    if mask is None or groups == 1:
-        return mask
-    return mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
+def fold_mask(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean [T, S] or [B, 1, T, S] mask (True: attend) made ready for `attention` once per forward
+    and shared by all its layers: repeated for `groups` query heads per K/V head, and additive (0 or
+    -inf in `dtype`). SDPA's fused kernels convert a boolean mask to that form on every call, which
+    cost three kernels per layer of a decode step."""
+    if mask is None:
+        return None
+    if groups > 1:
+        mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, folded_mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA for grouped-query attention with an explicit boolean mask.
+    """SDPA for grouped-query attention with an explicit mask (from fold_mask).
 
     SDPA's fused kernels reject enable_gqa together with a mask and fall back to the math kernel
     (full score matrix, K/V repeated per head). Folding each K/V head's query group into the query

@@ -36,14 +36,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape
-        kv_width = self.kv_heads * self.head_dim
-        q, k, v = F.linear(x, *self.qkv).split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
-        q = q.view(b, t, self.heads, self.head_dim)
-        k = k.view(b, t, self.kv_heads, self.head_dim)
-        v = v.view(b, t, self.kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qk, v = F.linear(x, *self.qkv).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+        qk = qk.view(b, t, heads + kv_heads, dim)
+        v = v.view(b, t, kv_heads, dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qk.split([heads, kv_heads], dim=2)
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        else:  # q and k side by side in the fused output: one rope pass (3 kernels) for both
+            q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=2)
         cache.write(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
         keys, values = cache.read(layer, kv_len)
         out = attention(q.transpose(1, 2), keys, values, mask)
@@ -95,6 +96,6 @@ class LlamaModel(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
-        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads)
+        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, positions, cache, i, kv_len, mask),
                                capture, logits)

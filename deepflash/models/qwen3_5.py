@@ -184,7 +184,7 @@ class Qwen35Model(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         live = None if key_mask is None else key_mask[:, positions]
-        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads)
+        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         step = Step(cos, sin, positions, cache, kv_len, mask, live)
         return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits)
 

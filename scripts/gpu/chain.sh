@@ -44,7 +44,7 @@ stage() {  # stage NAME COMMAND...
 # the decode-step profile and the fla kernel check first, on a quiet GPU
 if [ "$DEVICE" = cuda ]; then
   stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json
-  stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
+  [ "${FLA:-1}" = 1 ] && stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
 fi
 stage smoke python3 scripts/gpu/smoke.py --device $DEVICE --out $R/smoke.json $SMOKE_ARGS
 stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
