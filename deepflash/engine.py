@@ -131,7 +131,7 @@ class Engine:
         # uncompiled rather than triggering a recompile per size
         self.compiled = {name: torch.compile(getattr(self.steps, name)) for name in ("plain", "draft", "verify")
                          } if compile else {}
-        self.graphs = StepGraphs(self.state, self.device, enabled=cuda_graphs, cache=self.cache)
+        self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=cuda_graphs, cache=self.cache)
         pinned = self.device.type == "cuda"
         self.host_results = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
                              for _ in range(PIPELINE_DEPTH + 1)]

@@ -16,12 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from .spec import StepState
-
 
 class StepGraphs:
-    def __init__(self, state: StepState, device: torch.device, enabled: bool = True, cache=None):
-        self.state = state
+    """`buffers`: the step's device-resident inputs/outputs (e.g. StepState.buffers()), which a capture's
+    warm-up runs advance and which must be put back before the real run."""
+
+    def __init__(self, buffers: list[torch.Tensor], device: torch.device, enabled: bool = True, cache=None):
+        self.buffers = buffers
         self.cache = cache
         self.enabled = enabled and device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -38,19 +39,17 @@ class StepGraphs:
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (allocator and library handles must exist before capture), undo the
-        warm-up's effect on the step state and on the cache's recurrent states (cache.volatile()), then
-        capture. The warm-up's KV and ring writes land at positions that are not committed yet, which
-        every reader masks until they are rewritten."""
-        volatile = self.cache.volatile() if self.cache is not None else []
-        saved = self.state.snapshot()
-        saved_cache = [t.clone() for t in volatile]
+        warm-up's effect on the step buffers and on the cache's recurrent states (cache.volatile()),
+        then capture. The warm-up's KV and ring writes land at positions that are not committed yet,
+        which every reader masks until they are rewritten."""
+        state = self.buffers + (self.cache.volatile() if self.cache is not None else [])
+        saved = [t.clone() for t in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 fn()
-                self.state.restore(saved)
-                for t, old in zip(volatile, saved_cache):
+                for t, old in zip(state, saved):
                     t.copy_(old)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()

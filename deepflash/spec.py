@@ -33,13 +33,6 @@ class StepState:
     def buffers(self) -> list[torch.Tensor]:
         return [self.start, self.last, self.seed, self.drafts, self.result]
 
-    def snapshot(self) -> list[torch.Tensor]:
-        return [b.clone() for b in self.buffers()]
-
-    def restore(self, snapshot: list[torch.Tensor]) -> None:
-        for buffer, saved in zip(self.buffers(), snapshot):
-            buffer.copy_(saved)
-
 
 class Steps:
     def __init__(self, target, cache, state: StepState, drafter: DFlashDrafter | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..graphs import StepGraphs
 from ..progress import bar
 from ..sampling import SamplingParams, choose
 from .prompts import Task
@@ -22,9 +23,14 @@ from .shards import Sequence, write_shard
 
 @torch.no_grad()
 def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: frozenset[int],
-                   params: SamplingParams, seeds: list[int], prefill_chunk: int = 512) -> list[list[int]]:
+                   params: SamplingParams, seeds: list[int], prefill_chunk: int = 512,
+                   cuda_graphs: bool = True) -> list[list[int]]:
     """Greedy or sampled continuations of left-padded prompts; each ends at its first stop token
-    (included) or after max_new tokens."""
+    (included) or after max_new tokens.
+
+    The decode step attends over the batch's whole cache span (rows not written yet are masked), so it
+    has one shape for the whole batch and runs as one CUDA graph: eager launches made data generation
+    host-bound (8 minutes for 2,500 prompts on an H200, 2026-11-30)."""
     device = target.device
     b, longest = len(prompts), max(len(p) for p in prompts)
     total = longest + max_new
@@ -39,17 +45,24 @@ def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: fro
         logits, _ = target(tokens[:, lo:hi], torch.arange(lo, hi, device=device), cache, hi, key_mask=key_mask,
                            logits="last" if hi == longest else "none")
     seed = torch.tensor(seeds, device=device)
+    pos = torch.full((1,), longest, device=device)  # position of the newest chosen token
+    token = choose(logits[:, -1], pos.expand(b), params, seed)
+
+    def step() -> None:  # feed the newest token at `pos`, choose the one after it
+        step_logits, _ = target(token[:, None], pos, cache, total, key_mask=key_mask)
+        token.copy_(choose(step_logits[:, -1], (pos + 1).expand(b), params, seed))
+        pos.add_(1)
+
+    graphs = StepGraphs([pos, token], device, enabled=cuda_graphs, cache=cache)
     out = torch.zeros(b, max_new, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     stops = torch.tensor(sorted(stop_ids), device=device)
-    for step in range(max_new):
-        pos = longest + step
-        nxt = choose(logits[:, -1], torch.full((b,), pos, device=device), params, seed)
-        out[:, step] = nxt
-        done |= torch.isin(nxt, stops)
-        if step % 16 == 15 and bool(done.all()):  # a host check now and then, not every token
+    for i in range(max_new):
+        out[:, i] = token
+        done |= torch.isin(token, stops)
+        if i == max_new - 1 or (i % 16 == 15 and bool(done.all())):  # a host check now and then
             break
-        logits, _ = target(nxt[:, None], torch.tensor([pos], device=device), cache, pos + 1, key_mask=key_mask)
+        graphs.run("decode", step)
     return [_until_stop(row, stop_ids) for row in out.tolist()]
 
 

@@ -14,6 +14,7 @@ from deepflash.config import DrafterConfig
 from deepflash.drafter import DFlashDrafter
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
+from deepflash.train.datagen import generate_batch
 
 
 def main():
@@ -43,6 +44,13 @@ def main():
     a = [Engine(target, tok).complete(p, sampled).token_ids for p in prompts]
     b = [Engine(target, tok, drafter, spec="on").complete(p, sampled).token_ids for p in prompts]
     out["spec_equal_plain_sampled"] = sum(x == y for x, y in zip(a, b)) / len(prompts)
+    stops = tok.stop_ids(target.cfg.eos_token_ids)
+    for name, params in [("greedy", greedy), ("sampled", sampled)]:
+        seeds = list(range(len(prompts)))
+        eager_batch = generate_batch(target, prompts, args.max_new_tokens, stops, params, seeds, cuda_graphs=False)
+        graph_batch = generate_batch(target, prompts, args.max_new_tokens, stops, params, seeds)
+        out[f"datagen_graphs_equal_eager_{name}"] = sum(
+            x == y for x, y in zip(eager_batch, graph_batch)) / len(prompts)
     for name, engine in [("plain eager", Engine(target, tok, cuda_graphs=False)), ("plain graphs", Engine(target, tok)),
                          ("spec graphs, random drafter", Engine(target, tok, drafter, spec="on"))]:
         engine.complete(prompts[0], greedy)
