@@ -120,6 +120,23 @@ def test_exported_drafter_reads_raw_features_like_the_trained_one_reads_scaled_o
     assert not torch.equal(folded.fc.weight, trainer.drafter.fc.weight)  # a copy, training state untouched
 
 
+def test_init_from_an_exported_drafter_starts_where_it_ended(dataset, tmp_path):
+    """--init-from loads the exported (scale-folded) weights back into training form: same eval loss."""
+    target, tok, data, _ = dataset
+    # anchors above the longest response (40 tokens): every response token is an anchor, so both
+    # evaluations see the same blocks
+    common = dict(data=str(data), taps=2, block_size=4, anchors=64, lr=3e-3, batch_tokens=400,
+                  eval_fraction=0.25, attention="sdpa", mask_token_id=95)
+    first = Trainer(TrainConfig(out=str(tmp_path / "a"), layers=2, steps=15, **common), target, tok,
+                    torch.device("cpu"))
+    exported = first.run()
+    second = Trainer(TrainConfig(out=str(tmp_path / "b"), layers=1, steps=1, init_from=str(exported), **common),
+                     target, tok, torch.device("cpu"))
+    assert second.cfg.num_layers == 2  # the drafter's architecture, not --layers
+    ended = first.evaluate()["eval_loss"]
+    assert abs(second.evaluate()["eval_loss"] - ended) < 0.01 * ended  # bf16 export rounding only
+
+
 def test_resume_continues_from_the_checkpoint(dataset, tmp_path):
     target, tok, data, _ = dataset
     base = dict(data=str(data), out=str(tmp_path / "run"), layers=1, taps=1, block_size=4, anchors=8, lr=1e-3,

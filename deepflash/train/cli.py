@@ -44,6 +44,8 @@ def register(sub) -> None:
     train.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--resume", action="store_true")
+    train.add_argument("--init-from", help="continue from an exported drafter (its architecture, mask token and "
+                                           "taps; a fresh optimizer and schedule), e.g. the shipped one")
     train.set_defaults(func=cmd_train)
 
     export = steps.add_parser("export", help="export a run's latest checkpoint in the z-lab format")
@@ -89,6 +91,7 @@ def cmd_train(args) -> None:
                      intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
                      anchors=args.anchors, lr=args.lr, steps=args.steps, max_minutes=args.max_minutes,
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
+                     init_from=args.init_from,
                      device=args.device)
     target, tokenizer, device = _load(args)
     folder = Trainer(tc, target, tokenizer, device).run()

@@ -18,6 +18,7 @@ folds the scale into `fc.weight` (fc(x * s) == (W diag(s)) x), so the checkpoint
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DrafterConfig, default_target_layer_ids
-from ..drafter import DFlashDrafter, save_drafter
+from ..drafter import DFlashDrafter, load_drafter, save_drafter, validate_pair
 from ..errors import UserError
 from ..models import init_random_
 from ..progress import bar, stderr
@@ -66,6 +67,7 @@ class TrainConfig:
     attention: str = "auto"  # auto | flex | sdpa
     device: str = "auto"
     resume: bool = False
+    init_from: str | None = None  # an exported drafter to continue from (fresh optimizer and schedule)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -76,6 +78,8 @@ class TrainConfig:
             raise UserError("--block-size must be at least 2 for training")
         if self.layer_types and len(self.layer_types) != self.layers:
             raise UserError(f"--layer-types lists {len(self.layer_types)} layers, --layers is {self.layers}")
+        if self.resume and self.init_from:
+            raise UserError("--resume continues a run's checkpoint, --init-from starts a run from a drafter: pick one")
         return self
 
 
@@ -200,12 +204,18 @@ class Trainer:
         mask = tc.mask_token_id if tc.mask_token_id is not None else \
             pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
         self.cfg = drafter_config_for(target.cfg, tc, mask, trained_ctx)
+        start = load_drafter(tc.init_from) if tc.init_from else None
+        if start is not None:  # its architecture, mask token and taps; the context length of this data
+            self.cfg = dataclasses.replace(start.cfg, trained_context_length=trained_ctx)
+            validate_pair(self.cfg, target.cfg)
         self.drafter = init_random_(DFlashDrafter(self.cfg), tc.seed).to(device)
         self.weights = loss_weights(tc.block_size, tc.gamma or default_gamma(tc.block_size)).to(device)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95),
                                      weight_decay=tc.weight_decay)
         self.progress = Progress()
         self.feature_scale = self._measure_feature_scale(self.train_seqs[:16])
+        if start is not None:
+            self._load_exported(start)
         self.generator = torch.Generator().manual_seed(tc.seed + 1)
         self.attention = self._choose_attention()
         self.out = Path(tc.out)
@@ -258,6 +268,13 @@ class Trainer:
             squares = squares + feats.square().sum(0)
             count += feats.shape[0]
         return (squares / max(count, 1)).sqrt().clamp(min=1e-3).reciprocal()
+
+    def _load_exported(self, exported: DFlashDrafter) -> None:
+        """Weights of an exported drafter, whose fc reads raw features: undo the fold for this run's scale
+        (fc.weight / scale), so that the drafter computes the same function as the exported one."""
+        state = {k: v.float() for k, v in exported.state_dict().items()}
+        state["fc.weight"] = state["fc.weight"].to(self.device) / self.feature_scale.float()
+        self.drafter.load_state_dict(state)
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")

@@ -48,12 +48,13 @@ if [ "$DEVICE" = cuda ]; then
 fi
 stage smoke python3 scripts/gpu/smoke.py --device $DEVICE --out $R/smoke.json $SMOKE_ARGS
 stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
-# one training process: the 2026-11-30 run had two side by side and each got ~200 steps in 5 minutes;
-# small batches give more optimizer steps for the same throughput (work is per sequence)
-stage train deepflash train-drafter train --device $DEVICE --data $DATA --out $RUN --layers $LAYERS \
-  --batch-tokens $BATCH_TOKENS --max-minutes $TRAIN_MINUTES --lr $LR --attention sdpa
-# ship the new drafter only if it beats the shipped one per byte
+# one training process, continuing from the shipped drafter (--init-from: its architecture, fresh
+# optimizer), so that training accumulates over sessions; INIT_FROM= (empty) trains LAYERS from scratch
 rm -rf $ROOT/shipped-drafter && cp -r deepflash/drafters/smollm2-135m $ROOT/shipped-drafter
+INIT_FROM=${INIT_FROM-$ROOT/shipped-drafter}
+stage train deepflash train-drafter train --device $DEVICE --data $DATA --out $RUN --layers $LAYERS \
+  --batch-tokens $BATCH_TOKENS --max-minutes $TRAIN_MINUTES --lr $LR --attention sdpa ${INIT_FROM:+--init-from $INIT_FROM}
+# ship the new drafter only if it beats the shipped one per byte
 stage pick python3 scripts/gpu/pick_drafter.py $RUN/drafter $ROOT/shipped-drafter --device $DEVICE \
   --prompts $PICK_PROMPTS --into deepflash/drafters/smollm2-135m --out $R/pick.json \
   || { echo "CHAIN_FAILED: no drafter"; exit 1; }

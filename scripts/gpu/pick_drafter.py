@@ -1,5 +1,6 @@
 """Pick the drafter to ship: HumanEval acceptance (--prompts prompts, greedy, 128 tokens) of each candidate against its
-size; the smaller one wins unless the larger accepts at least 5% more. Copies it into --into."""
+size; the smaller one wins unless the larger accepts at least 5% more (of equal sizes, the one that accepts
+more). Copies it into --into."""
 
 import argparse
 import json
@@ -35,7 +36,8 @@ def main():
         size = (Path(path) / "model.safetensors").stat().st_size
         rows.append({"drafter": path, "layers": drafter.cfg.num_layers, "bytes": size,
                      "acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"]})
-    ok = sorted((r for r in rows if "bytes" in r), key=lambda r: r["bytes"])
+    # smallest first, and of equal sizes the better one first
+    ok = sorted((r for r in rows if "bytes" in r), key=lambda r: (r["bytes"], -r["acceptance_length"]))
     best = ok[0]
     for r in ok[1:]:
         if r["acceptance_length"] >= 1.05 * best["acceptance_length"]:
