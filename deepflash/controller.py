@@ -32,9 +32,11 @@ class SpecController:
             raise ValueError(f"spec mode must be auto, on or off, got {self.mode!r}")
 
     def new_request(self) -> None:
-        """Acceptance is a property of the text: start each request speculating; step costs carry over."""
+        """Acceptance is a property of the text: start each request speculating. Step costs and the
+        probe backoff carry over, so a drafter that failed on the last requests gets a long burst as
+        soon as its opening probe fails again (a success resets the backoff)."""
         self.al = None
-        self.plain_left = self.spec_seen = self.failed_probes = 0
+        self.plain_left = self.spec_seen = 0
 
     def use_spec(self) -> bool:
         if self.mode != "auto":

@@ -41,6 +41,17 @@ def test_probing_turns_speculation_back_on_when_it_pays_again():
     assert all(trace[-100:])
 
 
+def test_backoff_carries_over_to_the_next_request():
+    c = SpecController("auto")
+    drive(c, 300, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
+    backoff = c.failed_probes
+    assert backoff >= 3
+    c.new_request()
+    trace = drive(c, 60, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
+    assert trace[0]  # each request opens with a probe
+    assert sum(trace) <= 3 and c.plain_left > c.burst  # whose failure buys a long burst at once
+
+
 def test_break_even_margin():
     c = SpecController("auto", margin=0.05)
     drive(c, 50, accepted_per_spec=1.0, t_plain=1.0, t_spec=0.97)  # 1.03x: pays, keeps speculating
