@@ -75,14 +75,22 @@ def never_matching_drafter(like: DFlashDrafter) -> DFlashDrafter:
     return materialize(drafter, like.device).eval().requires_grad_(False)
 
 
+def random_engine(shape: dict, device: torch.device | str, **engine_args) -> Engine:
+    """An engine over a random-weight bf16 target of an HF config shape, without stop tokens (random
+    weights: every request generates exactly max_new tokens)."""
+    cfg = ModelConfig.from_hf(shape)
+    target = random_model(cfg, device=device, dtype=torch.bfloat16, seed=0, std=0.02, on_device=True)
+    engine = Engine(target, word_tokenizer(cfg.vocab_size), max_ctx=2048, **engine_args)
+    engine.stop_ids = frozenset()
+    return engine
+
+
 def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, max_new: int = 128) -> dict:
     """Plain decode of a random-weight Qwen3-8B-shaped bf16 model; MBU = bytes read per step x tok/s /
     copy bandwidth (bytes read: weights a decode step touches plus the KV span attended)."""
-    cfg = ModelConfig.from_hf(QWEN3_8B)
-    target = random_model(cfg, device=device, dtype=torch.bfloat16, seed=0, std=0.02, on_device=True)
-    engine = Engine(target, word_tokenizer(cfg.vocab_size), max_ctx=2048)
-    engine.stop_ids = frozenset()  # random weights: measure exactly max_new tokens
-    prompt = torch.randint(2, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = random_engine(QWEN3_8B, device)
+    target = engine.target
+    prompt = torch.randint(2, target.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     stats = run_engine(engine, [prompt] * 3, max_new, SamplingParams(max_new_tokens=max_new))
     kv_span = 512  # the attention bucket these positions fall in (graphs.kv_bucket)
     step_bytes = target.decode_weight_bytes() + kv_span * target.kv_bytes_per_token()

@@ -272,9 +272,7 @@ class Trainer:
     def _load_exported(self, exported: DFlashDrafter) -> None:
         """Weights of an exported drafter, whose fc reads raw features: undo the fold for this run's scale
         (fc.weight / scale), so that the drafter computes the same function as the exported one."""
-        state = {k: v.float() for k, v in exported.state_dict().items()}
-        state["fc.weight"] = state["fc.weight"].to(self.device) / self.feature_scale.float()
-        self.drafter.load_state_dict(state)
+        self.drafter.load_state_dict(fold_feature_scale(exported, self.feature_scale.reciprocal()).state_dict())
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")

@@ -9,24 +9,13 @@ from collections import defaultdict
 
 import torch
 
-from deepflash.bench.speed import QWEN3_8B
-from deepflash.config import ModelConfig
+from deepflash.bench.speed import QWEN3_8B, random_engine, run_engine
 from deepflash.engine import Engine
-from deepflash.models import random_model
 from deepflash.sampling import SamplingParams
-from deepflash.tokenizer import word_tokenizer
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def engine_for(shape: dict, device: str, **kw) -> Engine:
-    cfg = ModelConfig.from_hf(shape)
-    target = random_model(cfg, device=device, dtype=torch.bfloat16, on_device=True)
-    engine = Engine(target, word_tokenizer(cfg.vocab_size), max_ctx=2048, **kw)
-    engine.stop_ids = frozenset()  # random weights: always exactly max_new tokens
-    return engine
 
 
 def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
@@ -52,11 +41,8 @@ def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
 
 
 def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> float:
-    params = SamplingParams(max_new_tokens=tokens)
-    engine.complete(prompt, params)
-    began = time.perf_counter()
-    r = engine.complete(prompt, params)
-    return r.generated_tokens / (time.perf_counter() - began)
+    """tok/s of one request, prefill included, after an untimed identical one."""
+    return run_engine(engine, [prompt], tokens, SamplingParams(max_new_tokens=tokens))["tok_per_s"]
 
 
 def main():
@@ -68,10 +54,10 @@ def main():
     prompt = list(range(100, 356))
     record = {}
     for name, shape in [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]:
-        eager = engine_for(shape, args.device, cuda_graphs=False)
+        eager = random_engine(shape, args.device, cuda_graphs=False)
         prof = kernel_profile(eager, prompt, 64)
-        graphs = Engine(eager.target, eager.tokenizer, max_ctx=2048)
-        graphs.stop_ids = frozenset()
+        graphs = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx)
+        graphs.stop_ids = eager.stop_ids
         prof["graphs_tok_per_s"] = decode_rate(graphs, prompt, 256)
         prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
         record[name] = prof
@@ -84,7 +70,7 @@ def main():
     if args.out:
         open(args.out, "w").write(json.dumps(record, indent=2))
     if args.compile:  # last: a slow or failing compile must not cost the figures above
-        compiled = engine_for(SMOLLM2, args.device, compile=True)
+        compiled = random_engine(SMOLLM2, args.device, compile=True)
         began = time.perf_counter()
         compiled.complete(prompt, SamplingParams(max_new_tokens=8))
         record["smollm2-shaped"]["compile_s"] = time.perf_counter() - began
