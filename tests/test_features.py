@@ -2,6 +2,7 @@
 storage dtypes and windows much shorter than the prompt."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,23 @@ def test_writes_never_touch_neighbouring_rows(fmt):
     ring.write(torch.arange(3, 5), torch.randn(2, 64) * 100)  # slots 3, 4
     changed = (ring.data != before).any(-1)
     assert changed.tolist() == [False, False, False, True, True, False, False, False]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+def test_compiled_ring_stores_and_decodes_the_same_bytes(fmt):
+    """The fused (torch.compile) path of --compile is byte-identical to the eager one, for runs of any
+    length, wrapping included."""
+    eager, fused = (FeatureRing(8, 64, row_format(fmt), "cpu", compiled=c) for c in (False, True))
+    end = 0
+    for n in [5, 1, 11, 3]:
+        rows = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) * 10
+        for ring in (eager, fused):
+            ring.write(torch.arange(end, end + n), rows)
+        end += n
+        assert torch.equal(eager.data, fused.data) and torch.equal(eager.tags, fused.tags)
+        assert torch.equal(eager.read(end - 4, 4), fused.read(end - 4, 4))
 
 
 def test_mirror_is_the_ring_when_bytes_would_be_identical():

@@ -146,3 +146,18 @@ def test_resume_continues_from_the_checkpoint(dataset, tmp_path):
     assert resumed.progress.step >= 5
     resumed.run()
     assert resumed.progress.step == 8
+
+
+def test_norm_gains_start_at_the_target_scale_never_decay_and_take_their_own_learning_rate(dataset, tmp_path):
+    target, tok, data, _ = dataset
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, steps=2, lr=1e-3,
+                     norm_lr_scale=10.0, attention="sdpa", mask_token_id=95)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    torch.testing.assert_close(trainer.drafter.norm.weight, target.model.norm.weight.float())
+    matrices, gains = trainer.opt.param_groups
+    assert all(p.ndim == 2 for p in matrices["params"]) and matrices["weight_decay"] == tc.weight_decay
+    names = {id(p): n for n, p in trainer.drafter.named_parameters()}
+    assert {names[id(p)].rsplit(".", 2)[-2] for p in gains["params"]} >= {"q_norm", "k_norm", "norm", "hidden_norm"}
+    assert gains["weight_decay"] == 0.0
+    trainer.step(trainer.train_seqs[:1])
+    assert gains["lr"] == pytest.approx(10 * matrices["lr"])

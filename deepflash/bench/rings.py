@@ -32,16 +32,16 @@ def _time(device, fn, repeats: int) -> float:
     return (time.perf_counter() - began) / repeats
 
 
-def throughput(device, fmt_name: str, width: int, rows: int, repeats: int) -> dict:
+def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, compiled: bool) -> dict:
     """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
     counting bytes read plus bytes written, like the copy bandwidth it is compared with."""
     fmt = FORMATS[fmt_name]
-    ring = FeatureRing(rows, width, fmt, device)
+    ring = FeatureRing(rows, width, fmt, device, compiled=compiled)
     data = torch.randn(rows, width, device=device)
     positions = torch.arange(rows, device=device)
     stored = rows * fmt.row_bytes(width)
     write_s = _time(device, lambda: ring.write(positions, data), repeats)
-    read_s = _time(device, lambda: fmt.decode(ring.data), repeats)
+    read_s = _time(device, lambda: ring.decode(ring.data), repeats)
     moved = data.nbytes + stored
     return {"write_gb_s": moved / write_s / 1e9, "dequant_gb_s": moved / read_s / 1e9,
             "row_bytes": fmt.row_bytes(width)}
@@ -51,14 +51,16 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device)
     results = {}
-    for fmt in FORMATS:
-        r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats)
-        r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
-        r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth
-        results[fmt] = r
+    for path in ("eager", "compiled") if args.compiled else ("eager",):
+        for fmt in FORMATS:
+            r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats,
+                           compiled=path == "compiled")
+            r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
+            r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth
+            results[f"{fmt} {path}"] = r
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
     table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
-          f"{bandwidth:.0f} GB/s)", ["dtype", "write GB/s", "of copy", "dequant GB/s", "of copy"],
+          f"{bandwidth:.0f} GB/s)", ["dtype, path", "write GB/s", "of copy", "dequant GB/s", "of copy"],
           [[f, r["write_gb_s"], r["write_fraction_of_copy"], r["dequant_gb_s"], r["dequant_fraction_of_copy"]]
            for f, r in results.items()])
     table("bytes per position (row + 8-byte position tag)", ["pair"] + list(FORMATS),
@@ -73,5 +75,7 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the torch.compile'd (fused) write and dequantize paths (the engine's --compile)")
     p.add_argument("--out")
     p.set_defaults(func=run)

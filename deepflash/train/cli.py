@@ -46,6 +46,9 @@ def register(sub) -> None:
     train.add_argument("--resume", action="store_true")
     train.add_argument("--init-from", help="continue from an exported drafter (its architecture, mask token and "
                                            "taps; a fresh optimizer and schedule), e.g. the shipped one")
+    train.add_argument("--norm-lr-scale", type=float, default=1.0,
+                       help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
+                            "end up, and AdamW moves them by about lr per step)")
     train.set_defaults(func=cmd_train)
 
     export = steps.add_parser("export", help="export a run's latest checkpoint in the z-lab format")
@@ -91,7 +94,7 @@ def cmd_train(args) -> None:
                      intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
                      anchors=args.anchors, lr=args.lr, steps=args.steps, max_minutes=args.max_minutes,
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
-                     init_from=args.init_from,
+                     init_from=args.init_from, norm_lr_scale=args.norm_lr_scale,
                      device=args.device)
     target, tokenizer, device = _load(args)
     folder = Trainer(tc, target, tokenizer, device).run()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session after run 1 (fla check and step profile ran there) in one detached chain; each stage
+# The GPU session in one detached chain (started by start.sh); each stage
 # logs to $ROOT/results/<stage>.log and a failed stage does not stop the ones after it (except
 # training, which the benchmarks need). Between stages the chain switches to code that a later run
 # left in $ROOT/next (wait.sh), so fixes made while it trains reach the benchmarks.
@@ -17,8 +17,7 @@ BATCH_TOKENS=${BATCH_TOKENS:-4096}
 PICK_PROMPTS=${PICK_PROMPTS:-24}
 ACCEPT_ARGS=${ACCEPT_ARGS:---per-depth 2 --max-new-tokens 128}
 SPEED_ARGS=${SPEED_ARGS:---prompts 5 --max-new-tokens 128}
-MBU=${MBU:-1}  # 0 skips the Qwen3-8B-shaped run (CPU dry run)
-COMPILED=${COMPILED:-1}  # 0 skips the torch.compile run (CPU dry run)
+MBU=${MBU:-0}  # 1 adds the Qwen3-8B-shaped run
 SMOKE_ARGS=${SMOKE_ARGS:---prompts 3 --max-new-tokens 64}
 R=$ROOT/results
 DATA=$ROOT/data
@@ -41,27 +40,44 @@ stage() {  # stage NAME COMMAND...
   return $rc
 }
 
-# the decode-step profile and the fla kernel check first, on a quiet GPU
+# measurements that need a quiet GPU first; each is switched on by its variable (1 = run)
 if [ "$DEVICE" = cuda ]; then
-  stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json
-  [ "${FLA:-1}" = 1 ] && stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
+  [ "${PROFILE:-0}" = 1 ] && stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json
+  [ "${FLA:-0}" = 1 ] && stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
+  [ "${PROFILE_TRAIN:-1}" = 1 ] && stage profile_train python3 scripts/gpu/profile_train.py --out $R/profile-train.json
+  [ "${MEM_PEAK:-1}" = 1 ] && stage mem_peak python3 scripts/gpu/mem_peak.py --out $R/mem-peak.json
+  [ "${RINGS:-1}" = 1 ] && stage rings deepflash bench rings --device $DEVICE --compiled --out $R/rings.json
 fi
-stage smoke python3 scripts/gpu/smoke.py --device $DEVICE --out $R/smoke.json $SMOKE_ARGS
-stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
-# one training process, continuing from the shipped drafter (--init-from: its architecture, fresh
-# optimizer), so that training accumulates over sessions; INIT_FROM= (empty) trains LAYERS from scratch
+[ "${SMOKE:-0}" = 1 ] && stage smoke python3 scripts/gpu/smoke.py --device $DEVICE --out $R/smoke.json $SMOKE_ARGS
+CARRIED_DATA=${CARRIED_DATA-$ROOT/stage/data.tgz}
+if [ -f "$CARRIED_DATA" ]; then  # token shards brought back by an earlier session (collect.sh)
+  mkdir -p $DATA && tar xzf "$CARRIED_DATA" -C $DATA && echo "=== $(date +%T) using carried data"
+else
+  stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
+  tar czf $ROOT/data.tgz -C $DATA .  # collect.sh brings it back, so later sessions can skip datagen
+fi
+# training continues from the shipped drafter (--init-from: its architecture, fresh optimizer), so that
+# it accumulates over sessions; INIT_FROM= (empty) trains LAYERS from scratch.
+# scripts/gpu/train.env, if a keep-alive run carried one, overrides the training settings.
 rm -rf $ROOT/shipped-drafter && cp -r deepflash/drafters/smollm2-135m $ROOT/shipped-drafter
 INIT_FROM=${INIT_FROM-$ROOT/shipped-drafter}
-stage train deepflash train-drafter train --device $DEVICE --data $DATA --out $RUN --layers $LAYERS \
-  --batch-tokens $BATCH_TOKENS --max-minutes $TRAIN_MINUTES --lr $LR --attention sdpa ${INIT_FROM:+--init-from $INIT_FROM}
+refresh
+[ -f scripts/gpu/train.env ] && source scripts/gpu/train.env && echo "=== train.env: $(cat scripts/gpu/train.env | tr '\n' ' ')"
+train_run() {  # train_run OUT [EXTRA ARGS...]
+  deepflash train-drafter train --device $DEVICE --data $DATA --out "$1" --layers $LAYERS --batch-tokens $BATCH_TOKENS \
+    --max-minutes $TRAIN_MINUTES --lr $LR --attention ${ATTENTION:-sdpa} ${INIT_FROM:+--init-from $INIT_FROM} "${@:2}"
+}
+# TRAIN_B (extra arguments) trains a second arm side by side for an A/B; pick then chooses among all
+[ -n "${TRAIN_B:-}" ] && { stage train-b train_run $RUN-b $TRAIN_B & }
+stage train train_run $RUN ${TRAIN_EXTRA:-}
+wait
 # ship the new drafter only if it beats the shipped one per byte
-stage pick python3 scripts/gpu/pick_drafter.py $RUN/drafter $ROOT/shipped-drafter --device $DEVICE \
+stage pick python3 scripts/gpu/pick_drafter.py $RUN/drafter ${TRAIN_B:+$RUN-b/drafter} $ROOT/shipped-drafter --device $DEVICE \
   --prompts $PICK_PROMPTS --into deepflash/drafters/smollm2-135m --out $R/pick.json \
   || { echo "CHAIN_FAILED: no drafter"; exit 1; }
 stage accept deepflash bench accept --device $DEVICE --out $R/accept.json --plot $R/accept.png $ACCEPT_ARGS
-stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed.json $SPEED_ARGS
-stage memory deepflash bench memory --device $DEVICE --out $R/memory.json
+stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed.json $SPEED_ARGS \
+  ${SPEED_SYSTEMS:+--systems "$SPEED_SYSTEMS"}
+[ "${MEMORY:-0}" = 1 ] && stage memory deepflash bench memory --device $DEVICE --out $R/memory.json
 [ "$MBU" = 1 ] && stage mbu deepflash bench speed --device $DEVICE --part mbu --out $R/speed-mbu.json
-[ "$COMPILED" = 1 ] && stage compiled deepflash bench speed --device $DEVICE --part engines --out $R/speed-compiled.json $SPEED_ARGS \
-  --systems "deepflash plain compiled,deepflash dflash compiled"
 echo "CHAIN_DONE"

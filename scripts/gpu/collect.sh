@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Last run: results (JSON, PNG, logs) as one archive, the drafter's weights split under the 16 MiB limit.
+# Last run: results (JSON, PNG, logs) as one archive, the drafter's weights and the generated data split
+# under the 16 MiB limit.
 set -uo pipefail
 cd /root/deepflash
 cp /root/run/train.jsonl /root/results/train.jsonl 2>/dev/null
+cp /root/run-b/train.jsonl /root/results/train-b.jsonl 2>/dev/null
 cp /root/data/summary.json /root/results/data-summary.json 2>/dev/null
 tar czf "$OUT/results.tgz" -C /root results
 D=deepflash/drafters/smollm2-135m
@@ -10,4 +12,6 @@ if [ -f $D/model.safetensors ]; then
   cp $D/config.json $D/training.json "$OUT/" 2>/dev/null
   split -b 15000000 -d $D/model.safetensors "$OUT/drafter.part"
 fi
+# the generated token shards, for the next session's run 1 to carry (.stage/data.tgz; never committed)
+[ -f /root/data.tgz ] && split -b 15000000 -d /root/data.tgz "$OUT/data.tgz.part"
 ls -l "$OUT"

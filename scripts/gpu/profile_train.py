@@ -1,0 +1,115 @@
+"""Where a drafter training step's time goes (issue 6: training ran at ~10k sequence tokens/s on an
+H200, far below what the FLOPs allow). Trains the embedded target's drafter on synthetic sequences
+shaped like the generated data (prompts of 300-7000 tokens + 320 response tokens): step time and
+sequence tokens/s per attention path and batch size, then the top kernels of a few steps under
+torch.profiler. Ends with one JSON line.
+
+    python3 scripts/gpu/profile_train.py --out profile_train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from deepflash.models import load_target
+from deepflash.tokenizer import load_tokenizer
+from deepflash.train.shards import Sequence, write_shard
+from deepflash.train.trainer import TrainConfig, Trainer
+
+
+def synthetic_data(folder: Path, vocab: int, count: int, response: int = 320) -> None:
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(count):
+        prompt = int(torch.randint(300, 7000, (1,), generator=gen))
+        tokens = torch.randint(0, vocab, (prompt + response,), generator=gen)
+        mask = torch.zeros(prompt + response, dtype=torch.bool)
+        mask[prompt:] = True
+        seqs.append(Sequence(tokens, mask))
+    write_shard(folder / "shard-00000.safetensors", seqs, {"max_len": 8192})
+
+
+def timed_steps(trainer: Trainer, steps: int) -> dict:
+    from deepflash.train.shards import iter_batches
+
+    batches = list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))
+    trainer.step(batches[0])  # warm-up (allocator, kernels, flex compile)
+    sync()
+    began, tokens = time.perf_counter(), 0
+    timed = batches[1: steps + 1]
+    for batch in timed:
+        trainer.step(batch)
+        tokens += sum(len(s) for s in batch)
+    sync()
+    seconds = time.perf_counter() - began
+    return {"steps": len(timed), "s_per_step": seconds / len(timed), "seq_tok_per_s": tokens / seconds}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernel_top(trainer: Trainer, steps: int) -> list[dict]:
+    from deepflash.train.shards import iter_batches
+
+    batches = list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))[:steps]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for batch in batches:
+            trainer.step(batch)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += e.device_time
+    wall = sum(v[1] for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    print(f"--- kernels of {steps} steps: {wall / 1e3:.1f} ms busy")
+    for name, (n, t) in top:
+        print(f"{t / 1e3 / steps:9.2f} ms/step {n // steps:6d}x  {name[:100]}")
+    return [{"kernel": k[:110], "calls_per_step": n / steps, "ms_per_step": t / 1e3 / steps} for k, (n, t) in top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--device", default="cuda")  # cpu: a dry run of the script itself
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    target, folder = load_target(None, device, torch.bfloat16)
+    tokenizer = load_tokenizer(folder)
+    record = {"runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic_data(Path(tmp) / "data", target.cfg.vocab_size, 48 if device.type == "cuda" else 3)
+        for attention, batch_tokens in (("sdpa", 4096), ("sdpa", 16384), ("flex", 16384)):
+            tc = TrainConfig(data=str(Path(tmp) / "data"), out=str(Path(tmp) / "run"), layers=2,
+                             batch_tokens=batch_tokens, steps=1000, attention=attention, device=args.device,
+                             eval_every=10**9, ckpt_every=10**9)
+            try:
+                trainer = Trainer(tc, target, tokenizer, device)
+                run = {"attention": attention, "batch_tokens": batch_tokens, **timed_steps(trainer, args.steps)}
+                if device.type == "cuda":
+                    run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            except Exception as err:  # noqa: BLE001 - a failing path is a result here
+                run = {"attention": attention, "batch_tokens": batch_tokens, "error": f"{type(err).__name__}: {err}"}
+            print(json.dumps(run), flush=True)
+            record["runs"].append(run)
+            if attention == "sdpa" and batch_tokens == 4096 and "error" not in run and device.type == "cuda":
+                record["top"] = kernel_top(trainer, 3)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps({k: v for k, v in record.items() if k != "top"}))
+
+
+if __name__ == "__main__":
+    main()
