@@ -88,7 +88,7 @@ def _plan(args, cfg, target, drafter):
     from .runtime import resolve_device
 
     plan_args = dict(feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap, trained_ctx=cfg.trained_ctx,
-                     block_size=cfg.block_size)
+                     block_size=cfg.block_size, device=resolve_device(cfg.device))
     max_ctx = cfg.max_ctx
     if max_ctx == "auto":
         budget = free_device_bytes(resolve_device(cfg.device)) - cfg.reserve_mb * 2**20

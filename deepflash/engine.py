@@ -203,11 +203,15 @@ class Engine:
         self.steps.prefill(ids, self.prefill_chunk, seq.params)
 
     def _room(self, seq: Sequence, inflight: deque[Launched] | tuple = ()) -> int:
-        """Tokens a step launched after the `inflight` ones may commit: cut by max_new_tokens (each
-        in-flight step commits at least one token) and by the context (each may commit its whole size,
-        and no step may write past the cache)."""
+        """Tokens a step launched after the `inflight` ones may still add to the output: cut by
+        max_new_tokens (each in-flight step commits at least one token) and by the context."""
         wanted = seq.params.max_new_tokens - seq.generated - len(inflight)
-        return min(self.max_ctx - 1 - self._processed_bound(seq, inflight), wanted)
+        return min(self._context_room(seq, inflight), wanted)
+
+    def _context_room(self, seq: Sequence, inflight: deque[Launched] | tuple = ()) -> int:
+        """Positions a step launched after the `inflight` ones may process: each in-flight step may
+        commit its whole size, and no step may write past the cache."""
+        return self.max_ctx - 1 - self._processed_bound(seq, inflight)
 
     @staticmethod
     def _processed_bound(seq: Sequence, inflight: deque[Launched] | tuple) -> int:
@@ -224,7 +228,10 @@ class Engine:
     @torch.no_grad()
     def _launch(self, seq: Sequence, inflight: deque[Launched], timer: PhaseTimer) -> Launched:
         """Schedule and start one step (plain or speculative) on the device; nothing waits for it."""
-        size = min(self.block_size, self._room(seq, inflight))
+        # full blocks up to the end of the output: tokens past max_new_tokens are dropped by the tracker,
+        # and a block cut to the few tokens still wanted would capture a new graph per size; only the end
+        # of the context shortens a block
+        size = min(self.block_size, self._context_room(seq, inflight))
         processed = self._processed_bound(seq, inflight)
         began = time.perf_counter()
         params = seq.params

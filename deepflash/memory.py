@@ -44,8 +44,10 @@ def mib(n: int) -> float:
 
 def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", feat_ring_cap: int | None = None,
                 trained_ctx: int | None = None, block_size: int | None = None, prefill_chunk: int = 1024,
-                shared_device: bool = True) -> MemoryPlan:
-    """Bytes by component; `target` / `drafter` may live on the meta device."""
+                shared_device: bool = True, device: torch.device | str = "cpu", cuda_graphs: bool = True
+                ) -> MemoryPlan:
+    """Bytes by component on `device` (the one the models will run on); `target` / `drafter` may live
+    on the meta device."""
     cfg = target.cfg
     item = target.dtype.itemsize
     parts = {
@@ -69,7 +71,19 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         parts["drafter context K/V"] = sum(caps) * (kv_row + TAG_BYTES)
     block = block_size or (drafter.cfg.block_size if drafter is not None else 1)
     parts["workspace"] = _workspace(cfg, item, max_ctx, min(prefill_chunk, max_ctx), block, width)
+    parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), cuda_graphs)
     return MemoryPlan(max_ctx, window, feature_dtype, parts)
+
+
+def blas_workspaces(device: torch.device, cuda_graphs: bool) -> int:
+    """cuBLAS keeps one workspace per stream it runs on, allocated from torch's caching allocator:
+    32 MiB on Hopper (compute capability 9), else torch's default of 2 x 4 MiB + 8 x 16 KiB
+    (CUBLAS_WORKSPACE_CONFIG, which deepflash does not read, changes both). The engine runs on the
+    current stream, and with CUDA graphs also on one warm-up and one capture stream (graphs.py)."""
+    if device.type != "cuda":
+        return 0
+    each = 32 * 2**20 if torch.cuda.get_device_capability(device)[0] == 9 else 2 * 4 * 2**20 + 8 * 16 * 2**10
+    return each * (3 if cuda_graphs else 1)
 
 
 def _workspace(cfg, item: int, max_ctx: int, chunk: int, block: int, width: int) -> int:

@@ -69,7 +69,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
         validate_pair(drafter.cfg, target.cfg, cfg.block_size)
     max_ctx = cfg.max_ctx
     plan_args = dict(feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
-                     trained_ctx=cfg.trained_ctx, block_size=cfg.block_size)
+                     trained_ctx=cfg.trained_ctx, block_size=cfg.block_size, device=device)
     if max_ctx == "auto":
         # weights are loaded already: the budget is what is free now plus what they occupy
         loaded = target.weight_bytes() + (drafter.weight_bytes() if drafter else 0)
