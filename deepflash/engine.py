@@ -86,6 +86,7 @@ class Sequence:
     tracker: OutputTracker
     generated: int = 0  # tokens committed after the prompt (the first comes from prefill)
     new_tokens: list[int] = field(default_factory=list)
+    drafter_synced: int = 0  # positions below this have their K/V in the drafter's context (spec.Steps.plain)
 
 
 @dataclass
@@ -201,6 +202,7 @@ class Engine:
         self.state.seed.fill_(seq.params.seed)
         ids = torch.tensor(seq.tokens, device=self.device)
         self.steps.prefill(ids, self.prefill_chunk, seq.params)
+        seq.drafter_synced = len(seq.tokens)
 
     def _room(self, seq: Sequence, inflight: deque[Launched] | tuple = ()) -> int:
         """Tokens a step launched after the `inflight` ones may still add to the output: cut by
@@ -238,6 +240,7 @@ class Engine:
         sampling = (params.temperature, params.top_k, params.top_p)
         if self.drafter is not None and size >= 2 and self.controller.use_spec():
             kv_len = kv_bucket(processed + size, self.max_ctx)
+            self._catch_up(seq, inflight, processed)
             draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
             timer.start("draft")
             self.graphs.run(("draft", size), lambda: draft(size))
@@ -261,6 +264,15 @@ class Engine:
             ready.record()
         return Launched(kind, size, began, host, ready)
 
+    def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> None:
+        """Before drafting: give the drafter the context K/V of the positions plain steps committed.
+        With only plain steps in flight, `processed` is exact (each commits its one position); with a
+        speculative step in flight there is nothing to catch up, its verify appends its own block."""
+        if any(launched.kind == "spec" for launched in inflight) or seq.drafter_synced >= processed:
+            return
+        self.steps.catch_up(seq.drafter_synced, processed)
+        seq.drafter_synced = processed
+
     def _step_fn(self, name: str, size: int):
         if name in self.compiled and (name == "plain" or size == self.block_size):
             return self.compiled[name]
@@ -275,6 +287,7 @@ class Engine:
         seq.processed += len(committed)
         seq.generated += len(committed)
         if launched.kind == "spec":
+            seq.drafter_synced = seq.processed  # the verify appended every committed position's K/V
             spec.record(launched.size, len(committed) - 1)
             self.controller.record_spec(len(committed), seconds)
         elif spec is not None:

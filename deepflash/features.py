@@ -76,9 +76,10 @@ class FeatureRing:
 
     def write(self, positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for `positions` (consecutive, on the ring's device), stored by `_store`. A run longer than
-        the window keeps its newest `window` rows. Returns the positions and encoded rows actually stored."""
-        if rows.shape[0] > self.window:
-            positions, rows = positions[-self.window :], rows[-self.window :]
+        the ring keeps its newest `capacity` rows (not `window`: a verify block longer than the window
+        must keep its first, committed rows). Returns the positions and encoded rows actually stored."""
+        if rows.shape[0] > self.capacity:
+            positions, rows = positions[-self.capacity :], rows[-self.capacity :]
         return positions, self._store(self.fmt, self.data, self.tags, positions, rows.to(self.data.device))
 
     def read(self, start: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -57,12 +57,15 @@ class Steps:
         self.state.result[1:2].copy_(token)
 
     def plain(self, kv_len: int, params: SamplingParams) -> None:
-        """One target forward over the last token; features still captured so drafting can resume."""
+        """One target forward over the last token. Its features go to the rings, so drafting can resume
+        with the full context; the drafter's context K/V of a run of plain steps is computed in one
+        batch when drafting resumes (catch_up), not per step."""
         s = self.state
         pos = s.start.view(1)
         logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
         token = choose(logits[0], pos + 1, params, s.seed)
-        self._commit(pos, feats)
+        if self.features is not None:
+            self.features.commit(pos, feats.reshape(-1, feats.shape[-1]))
         s.result[:1].zero_()  # not result[0] = 0: a host scalar copy cannot be captured in a graph
         s.result[1:2].copy_(token)
         s.last.copy_(token)
@@ -89,6 +92,15 @@ class Steps:
         s.result[1 : size + 1].copy_(choices)
         s.last.copy_(choices.gather(0, accepted.view(1)))  # gather, not choices[accepted]: no host sync
         s.start += accepted + 1
+
+    def catch_up(self, begin: int, end: int) -> None:
+        """The drafter's context K/V of committed positions [begin, end) that plain steps left to the
+        rings, from the mirror (checked reads: a position the mirror does not hold raises). Only the
+        newest `window` of them can be visible. Eager: host shapes, once per return to drafting."""
+        begin = max(begin, end - self.features.window)
+        if end > begin:
+            positions = torch.arange(begin, end, device=self.drafter.device)
+            self.context.append(positions, self.features.mirror.read(begin, end - begin))
 
     def _commit(self, positions: torch.Tensor, feats: torch.Tensor | None) -> None:
         if self.features is None:

@@ -4,6 +4,7 @@ for any drafter (random weights included), block size, prompt length and stop co
 import pytest
 import torch
 
+from deepflash.drafter import DrafterContext
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 from helpers import EOS, drafter_config, oracle, tiny_drafter, tiny_target, tiny_tokenizer
@@ -120,3 +121,37 @@ def test_auto_mode_stops_speculating_with_a_useless_drafter():
     out = Engine(TARGET, TOKENIZER, drafter, spec="auto").complete(ids, params)
     assert out.token_ids == plain(ids, params).token_ids
     assert out.spec.plain_steps > 3 * out.spec.steps
+
+
+@pytest.mark.parametrize("cap", [None, 6])
+def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(monkeypatch, cap):
+    """Plain steps leave the drafter's context K/V to a catch-up when drafting resumes: before every
+    draft, each position the drafter may see has the K/V a rebuild from the mirror gives it, and the
+    output still equals plain decoding."""
+    drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=4))
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="auto", feat_ring_cap=cap)
+    pattern = iter([True, False, False, False, True, True, False, False] * 20)
+    monkeypatch.setattr(engine.controller, "use_spec", lambda: next(pattern))
+    steps, draft, checked = engine.steps, engine.steps.draft, []
+
+    def draft_after_checking(size):
+        start = int(engine.state.start)
+        lo = max(0, start - steps.features.window)
+        rebuilt = DrafterContext(drafter, steps.features.window)
+        rebuilt.rebuild(lo, steps.features.mirror.read(lo, start - lo))
+        for layer in range(drafter.cfg.num_layers):
+            for slot, position in enumerate(rebuilt.tags[layer].tolist()):
+                if position < 0:
+                    continue
+                ours = (steps.context.tags[layer] == position).nonzero().flatten()
+                assert ours.numel() == 1, (start, layer, position)
+                for mine, ref in ((steps.context.k, rebuilt.k), (steps.context.v, rebuilt.v)):
+                    torch.testing.assert_close(mine[layer][:, :, ours[0]], ref[layer][:, :, slot])
+        checked.append(start)
+        draft(size)
+
+    monkeypatch.setattr(steps, "draft", draft_after_checking)
+    ids = prompt(20, seed=3)
+    params = SamplingParams(max_new_tokens=40)
+    assert engine.complete(ids, params).token_ids == plain(ids, params).token_ids
+    assert len(checked) >= 4

@@ -1,8 +1,8 @@
 """Where a drafter training step's time goes (issue 6: training ran at ~10k sequence tokens/s on an
 H200, far below what the FLOPs allow). Trains the embedded target's drafter on synthetic sequences
 shaped like the generated data (prompts of 300-7000 tokens + 320 response tokens): step time and
-sequence tokens/s per attention path and batch size, then the top kernels of a few steps under
-torch.profiler. Ends with one JSON line.
+sequence tokens/s per batch size and with cuDNN attention on or off, then the host-side time by
+function (cProfile) and the top kernels (torch.profiler) of a few steps. Ends with one JSON line.
 
     python3 scripts/gpu/profile_train.py --out profile_train.json
 """
@@ -79,6 +79,32 @@ def kernel_top(trainer: Trainer, steps: int) -> list[dict]:
     return [{"kernel": k[:110], "calls_per_step": n / steps, "ms_per_step": t / 1e3 / steps} for k, (n, t) in top]
 
 
+def host_top(trainer: Trainer, steps: int) -> list[dict]:
+    """Python-side time of a few steps by function (cumulative), to find where an idle GPU waits."""
+    import cProfile
+    import pstats
+
+    from deepflash.train.shards import iter_batches
+
+    batches = list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))[:steps]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for batch in batches:
+        trainer.step(batch)
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("cumulative")
+    rows = []
+    for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items():
+        rows.append({"function": f"{path.split('/')[-1]}:{line} {name}", "calls_per_step": calls / steps,
+                     "s_per_step": cumulative / steps})
+    rows.sort(key=lambda r: -r["s_per_step"])
+    print(f"--- host time of {steps} steps by function (cumulative)")
+    for r in rows[:30]:
+        print(f"{r['s_per_step']:8.3f} s/step {r['calls_per_step']:8.1f}x  {r['function']}")
+    return rows[:60]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -91,24 +117,31 @@ def main() -> None:
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         synthetic_data(Path(tmp) / "data", target.cfg.vocab_size, 48 if device.type == "cuda" else 3)
-        for attention, batch_tokens in (("sdpa", 4096), ("sdpa", 16384), ("flex", 16384)):
+        # cudnn=False: SDPA may not pick cuDNN attention, whose per-shape plans every new sequence
+        # length would rebuild (one suspect for the idle GPU time)
+        for attention, batch_tokens, cudnn in (("sdpa", 4096, True), ("sdpa", 16384, True), ("sdpa", 16384, False)):
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
             tc = TrainConfig(data=str(Path(tmp) / "data"), out=str(Path(tmp) / "run"), layers=2,
                              batch_tokens=batch_tokens, steps=1000, attention=attention, device=args.device,
                              eval_every=10**9, ckpt_every=10**9)
+            run = {"attention": attention, "batch_tokens": batch_tokens, "cudnn_sdpa": cudnn}
             try:
                 trainer = Trainer(tc, target, tokenizer, device)
-                run = {"attention": attention, "batch_tokens": batch_tokens, **timed_steps(trainer, args.steps)}
+                run.update(timed_steps(trainer, args.steps))
                 if device.type == "cuda":
                     run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             except Exception as err:  # noqa: BLE001 - a failing path is a result here
-                run = {"attention": attention, "batch_tokens": batch_tokens, "error": f"{type(err).__name__}: {err}"}
+                run["error"] = f"{type(err).__name__}: {err}"
             print(json.dumps(run), flush=True)
             record["runs"].append(run)
-            if attention == "sdpa" and batch_tokens == 4096 and "error" not in run and device.type == "cuda":
-                record["top"] = kernel_top(trainer, 3)
+            if batch_tokens == 4096 and "error" not in run:
+                record["host_top"] = host_top(trainer, 3)
+                if device.type == "cuda":
+                    record["top"] = kernel_top(trainer, 3)
+        torch.backends.cuda.enable_cudnn_sdp(True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    print(json.dumps({k: v for k, v in record.items() if k != "top"}))
+    print(json.dumps({"runs": record["runs"]}))
 
 
 if __name__ == "__main__":
