@@ -124,7 +124,7 @@ class Engine:
             self.window = drafter_window(self.max_ctx, self.trained_ctx, feat_ring_cap)
             width = len(drafter.cfg.target_layer_ids) * cfg.hidden_size
             features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device, drafter.device,
-                                    slack=self.block_size, compiled=compile)
+                                    slack=self.block_size, kernels="compile" if compile else "torch")
             context = DrafterContext(drafter, self.window, slack=self.block_size)
         self.state = StepState(self.device, self.block_size)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)

@@ -8,6 +8,7 @@ written position raises instead of silently returning another position's row (th
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -54,18 +55,12 @@ class FeatureRing:
     """
 
     def __init__(self, window: int, width: int, fmt: RowFormat, device: torch.device | str, slack: int = 0,
-                 compiled: bool = False):
+                 kernels: str = "torch"):
         self.window, self.width, self.fmt = window, width, fmt
         self.capacity = window + slack
         self.data = torch.zeros((self.capacity, *fmt.row_shape(width)), dtype=fmt.storage_dtype(), device=device)
         self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
-        # compiled (block formats only): encode + scatter fuse into fewer kernels (inductor), where eager
-        # they are chains of small torch kernels (q4_0 encode: about 15); measured on an H200 (BENCHMARKS.md)
-        # 3x faster writes and 1.4-2.6x faster dequantize, while plain dtypes wrote slower compiled than
-        # eager. dynamic: one kernel for every run length.
-        fuse = compiled and fmt.dtype is None
-        self._store = torch.compile(_store, dynamic=True) if fuse else _store
-        self.decode = torch.compile(fmt.decode, dynamic=True) if fuse else fmt.decode
+        self._store, self.decode = ring_kernels(kernels, fmt)
 
     @property
     def nbytes(self) -> int:
@@ -74,13 +69,14 @@ class FeatureRing:
     def reset(self) -> None:
         self.tags.fill_(-1)
 
-    def write(self, positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows for `positions` (consecutive, on the ring's device), stored by `_store`. A run longer than
         the ring keeps its newest `capacity` rows (not `window`: a verify block longer than the window
-        must keep its first, committed rows). Returns the positions and encoded rows actually stored."""
+        must keep its first, committed rows). Returns the positions actually stored."""
         if rows.shape[0] > self.capacity:
             positions, rows = positions[-self.capacity :], rows[-self.capacity :]
-        return positions, self._store(self.fmt, self.data, self.tags, positions, rows.to(self.data.device))
+        self._store(self.fmt, self.data, self.tags, positions, rows.to(self.data.device))
+        return positions
 
     def read(self, start: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decoded rows for positions [start, start + n), one decode call for the run; raises
@@ -101,13 +97,13 @@ class FeatureStore:
     format). Where both would hold the same bytes on the same device the mirror is the ring itself."""
 
     def __init__(self, window: int, width: int, feature_dtype: str, target_dtype: torch.dtype,
-                 target_device, drafter_device, slack: int = 0, compiled: bool = False):
+                 target_device, drafter_device, slack: int = 0, kernels: str = "torch"):
         self.window = window
         target_fmt = _plain_format(target_dtype)
-        self.ring = FeatureRing(window, width, target_fmt, target_device, slack, compiled)
+        self.ring = FeatureRing(window, width, target_fmt, target_device, slack, kernels)
         mirror_fmt = row_format(feature_dtype)
         same = mirror_fmt == target_fmt and torch.device(target_device) == torch.device(drafter_device)
-        self.mirror = self.ring if same else FeatureRing(window, width, mirror_fmt, drafter_device, slack, compiled)
+        self.mirror = self.ring if same else FeatureRing(window, width, mirror_fmt, drafter_device, slack, kernels)
 
     @property
     def nbytes(self) -> int:
@@ -120,11 +116,10 @@ class FeatureStore:
     def commit(self, positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the features of `positions`; return what the drafter should append: the positions kept
         and their rows decoded from the mirror, i.e. exactly what storage holds. No host sync."""
-        stored = self.ring.write(positions, rows)
+        kept = self.ring.write(positions, rows)
         if self.mirror is not self.ring:
-            stored = self.mirror.write(positions.to(self.mirror.data.device), rows)
-        kept, encoded = stored
-        return kept, self.mirror.decode(encoded)
+            kept = self.mirror.write(positions.to(self.mirror.data.device), rows)
+        return kept, self.mirror.decode(self.mirror.data[kept % self.mirror.capacity])
 
     def context(self, end: int) -> tuple[int, torch.Tensor]:
         """The drafter's whole context before position `end`: min(end, window) positions, no floor."""
@@ -132,15 +127,36 @@ class FeatureStore:
         return end - n, self.mirror.read(end - n, n)
 
 
+RING_KERNELS = ("torch", "compile", "triton")
+
+
+def ring_kernels(kind: str, fmt: RowFormat):
+    """The (store, decode) functions of a ring.
+    torch: quant.py's vectorized forms, eager (q4_0 encode is about 15 small kernels).
+    compile: the same through torch.compile, for the block formats only (on an H200, BENCHMARKS.md:
+      3x faster writes, 1.4-2.6x faster dequantize; plain dtypes wrote slower compiled than eager);
+      dynamic, so one kernel serves every run length.
+    triton: one hand-written pass each way (ring_kernels.py), same bytes."""
+    if kind == "triton":
+        from . import ring_kernels as triton_kernels
+
+        if not triton_kernels.available():
+            raise UserError("ring kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
+        return triton_kernels.write, functools.partial(triton_kernels.decode, fmt)
+    if kind not in RING_KERNELS:
+        raise UserError(f"ring kernels must be one of {', '.join(RING_KERNELS)}, got {kind!r}")
+    if kind == "compile" and fmt.dtype is None:
+        return torch.compile(_store, dynamic=True), torch.compile(fmt.decode, dynamic=True)
+    return _store, fmt.decode
+
+
 def _store(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
-           rows: torch.Tensor) -> torch.Tensor:
+           rows: torch.Tensor) -> None:
     """Encode rows in one call and scatter them to slot = position % capacity in one kernel, so a run
-    that wraps needs no special case and no write goes past a row. Returns the encoded rows."""
-    encoded = fmt.encode(rows)
+    that wraps needs no special case and no write goes past a row."""
     slots = positions % data.shape[0]
-    data.index_copy_(0, slots, encoded)
+    data.index_copy_(0, slots, fmt.encode(rows))
     tags.index_copy_(0, slots, positions)
-    return encoded
 
 
 def _plain_format(dtype: torch.dtype) -> RowFormat:

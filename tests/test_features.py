@@ -123,7 +123,7 @@ def test_writes_never_touch_neighbouring_rows(fmt):
 def test_compiled_ring_stores_and_decodes_the_same_bytes(fmt):
     """The fused (torch.compile) path of --compile is byte-identical to the eager one, for runs of any
     length, wrapping included."""
-    eager, fused = (FeatureRing(8, 64, row_format(fmt), "cpu", compiled=c) for c in (False, True))
+    eager, fused = (FeatureRing(8, 64, row_format(fmt), "cpu", kernels=k) for k in ("torch", "compile"))
     end = 0
     for n in [5, 1, 11, 3]:
         rows = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) * 10

@@ -32,11 +32,11 @@ def _time(device, fn, repeats: int) -> float:
     return (time.perf_counter() - began) / repeats
 
 
-def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, compiled: bool) -> dict:
+def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kernels: str) -> dict:
     """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
     counting bytes read plus bytes written, like the copy bandwidth it is compared with."""
     fmt = FORMATS[fmt_name]
-    ring = FeatureRing(rows, width, fmt, device, compiled=compiled)
+    ring = FeatureRing(rows, width, fmt, device, kernels=kernels)
     data = torch.randn(rows, width, device=device)
     positions = torch.arange(rows, device=device)
     stored = rows * fmt.row_bytes(width)
@@ -52,16 +52,17 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device)
     results = {}
-    for path in ("eager", "compiled") if args.compiled else ("eager",):
-        for fmt in FORMATS if path == "eager" else [f for f in FORMATS if FORMATS[f].dtype is None]:
-            r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats,
-                           compiled=path == "compiled")
+    for kernels in args.kernels.split(","):
+        # torch.compile only changes the block formats (features.ring_kernels)
+        names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
+        for fmt in names:
+            r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels)
             r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
             r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth if r["dequant_gb_s"] else None
-            results[f"{fmt} {path}"] = r
+            results[f"{fmt} {kernels}"] = r
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
     table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
-          f"{bandwidth:.0f} GB/s)", ["dtype, path", "write GB/s", "of copy", "dequant GB/s", "of copy"],
+          f"{bandwidth:.0f} GB/s)", ["dtype, kernels", "write GB/s", "of copy", "dequant GB/s", "of copy"],
           [[f, r["write_gb_s"], r["write_fraction_of_copy"], r["dequant_gb_s"] or "-", r["dequant_fraction_of_copy"] or "-"]
            for f, r in results.items()])
     table("bytes per position (row + 8-byte position tag)", ["pair"] + list(FORMATS),
@@ -76,8 +77,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--compiled", action="store_true",
-                   help="also time the torch.compile'd (fused) write and dequantize paths of the block formats "
-                        "(the engine's --compile)")
+    p.add_argument("--kernels", default="torch",
+                   help="comma list of ring kernels to time: torch (eager), compile (torch.compile, the engine's "
+                        "--compile), triton (hand-written, one pass each way)")
     p.add_argument("--out")
     p.set_defaults(func=run)

@@ -1,0 +1,61 @@
+"""The Triton ring kernels (ring_kernels.py) store and decode the same bytes as quant.py's torch forms.
+On a machine without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set here before the
+kernels are defined); without Triton (torch's CPU builds) the tests skip."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from deepflash.features import FeatureRing, FeatureStore
+from deepflash.quant import FORMATS
+
+CUDA = torch.cuda.is_available()
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed (torch CPU builds lack it); the GPU chain runs these tests",
+                allow_module_level=True)
+if not CUDA:  # before Triton is first imported: its standard library is defined under the switch too
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported (by torch.compile) before these tests could switch on its "
+                    "interpreter; run this file alone on a CPU machine", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def awkward_rows(n: int, width: int) -> torch.Tensor:
+    """Random rows with an all-zero block, a negative peak, a positive peak tie and large values."""
+    rows = torch.randn(n, width, generator=torch.Generator().manual_seed(width)) * 7
+    rows[0, :32] = 0
+    if n > 2:
+        rows[1, 5] = -rows[1, :32].abs().max() - 1
+        rows[2, 3] = rows[2, 9] = rows[2, :32].abs().max() + 2
+        rows[2, 40 % width] = 3e4
+    return rows.to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("width", [2880, 96])
+def test_triton_rings_hold_the_same_bytes_as_the_torch_ones(fmt, width):
+    if fmt == "bf16" and not CUDA:
+        pytest.skip("Triton's interpreter rounds float32 -> bfloat16 by truncation; the GPU rounds to nearest even")
+    torch_ring, triton_ring = (FeatureRing(6, width, FORMATS[fmt], DEVICE, slack=4, kernels=k)
+                               for k in ("torch", "triton"))
+    end = 0
+    for n in [7, 1, 10, 3]:  # runs that wrap and one that overflows the ring (capacity 10)
+        rows = awkward_rows(n, width)
+        for ring in (torch_ring, triton_ring):
+            ring.write(torch.arange(end, end + n, device=DEVICE), rows)
+        end += n
+        assert torch.equal(torch_ring.tags, triton_ring.tags)
+        assert torch.equal(torch_ring.data, triton_ring.data)
+        assert torch.equal(torch_ring.read(end - 6, 6), triton_ring.read(end - 6, 6))
+
+
+def test_store_commit_returns_what_the_mirror_holds():
+    store = FeatureStore(8, 64, "q4_0", torch.float32, DEVICE, DEVICE, slack=2, kernels="triton")
+    rows = awkward_rows(5, 64)
+    kept, decoded = store.commit(torch.arange(5, device=DEVICE), rows)
+    assert torch.equal(kept.cpu(), torch.arange(5))
+    assert torch.equal(decoded, FORMATS["q4_0"].decode(FORMATS["q4_0"].encode(rows)))
