@@ -135,6 +135,12 @@ def test_init_from_an_exported_drafter_starts_where_it_ended(dataset, tmp_path):
     assert second.cfg.num_layers == 2  # the drafter's architecture, not --layers
     ended = first.evaluate()["eval_loss"]
     assert abs(second.evaluate()["eval_loss"] - ended) < 0.01 * ended  # bf16 export rounding only
+    grown = Trainer(TrainConfig(out=str(tmp_path / "c"), layers=1, steps=3, init_from=str(exported), grow_layers=1,
+                                **common), target, tok, torch.device("cpu"))
+    assert grown.cfg.num_layers == 3 and grown.cfg.layer_types[-1] == "full_attention"
+    assert abs(grown.evaluate()["eval_loss"] - ended) < 0.01 * ended  # the new layer starts as the identity
+    grown.run()
+    assert grown.drafter.layers[2].mlp.down_proj.weight.abs().sum() > 0  # and then learns
 
 
 def test_resume_continues_from_the_checkpoint(dataset, tmp_path):

@@ -46,6 +46,9 @@ def register(sub) -> None:
     train.add_argument("--resume", action="store_true")
     train.add_argument("--init-from", help="continue from an exported drafter (its architecture, mask token and "
                                            "taps; a fresh optimizer and schedule), e.g. the shipped one")
+    train.add_argument("--grow-layers", type=int, default=0,
+                       help="with --init-from: append this many full-attention layers, each starting as the "
+                            "identity (zeroed output projections), to add capacity without starting over")
     train.add_argument("--norm-lr-scale", type=float, default=1.0,
                        help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
                             "end up, and AdamW moves them by about lr per step)")
@@ -94,7 +97,7 @@ def cmd_train(args) -> None:
                      intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
                      anchors=args.anchors, lr=args.lr, steps=args.steps, max_minutes=args.max_minutes,
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
-                     init_from=args.init_from, norm_lr_scale=args.norm_lr_scale,
+                     init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      device=args.device)
     target, tokenizer, device = _load(args)
     folder = Trainer(tc, target, tokenizer, device).run()

@@ -75,6 +75,7 @@ class TrainConfig:
     resume: bool = False
     init_from: str | None = None  # an exported drafter to continue from (fresh optimizer and schedule)
     norm_lr_scale: float = 1.0  # learning rate of the norm gains relative to --lr (module doc)
+    grow_layers: int = 0  # with init_from: full-attention layers appended as identities (zeroed output projections)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -87,6 +88,10 @@ class TrainConfig:
             raise UserError(f"--layer-types lists {len(self.layer_types)} layers, --layers is {self.layers}")
         if self.resume and self.init_from:
             raise UserError("--resume continues a run's checkpoint, --init-from starts a run from a drafter: pick one")
+        if self.grow_layers and not self.init_from:
+            raise UserError("--grow-layers adds layers to the drafter of --init-from; give one")
+        if self.grow_layers < 0:
+            raise UserError(f"--grow-layers must be >= 0, got {self.grow_layers}")
         if self.norm_lr_scale <= 0:
             raise UserError(f"--norm-lr-scale must be positive, got {self.norm_lr_scale}")
         return self
@@ -220,8 +225,10 @@ class Trainer:
             pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
         self.cfg = drafter_config_for(target.cfg, tc, mask, trained_ctx)
         start = load_drafter(tc.init_from) if tc.init_from else None
-        if start is not None:  # its architecture, mask token and taps; the context length of this data
-            self.cfg = dataclasses.replace(start.cfg, trained_context_length=trained_ctx)
+        if start is not None:  # its architecture (plus grown layers), mask token and taps; this data's context
+            self.cfg = dataclasses.replace(start.cfg, trained_context_length=trained_ctx,
+                                           num_layers=start.cfg.num_layers + tc.grow_layers,
+                                           layer_types=start.cfg.layer_types + ("full_attention",) * tc.grow_layers)
             validate_pair(self.cfg, target.cfg)
         self.drafter = init_random_(DFlashDrafter(self.cfg), tc.seed).to(device)
         with torch.no_grad():  # the drafter's output feeds the target's lm_head: start at the target's output scale
@@ -295,8 +302,17 @@ class Trainer:
 
     def _load_exported(self, exported: DFlashDrafter) -> None:
         """Weights of an exported drafter, whose fc reads raw features: undo the fold for this run's scale
-        (fc.weight / scale), so that the drafter computes the same function as the exported one."""
-        self.drafter.load_state_dict(fold_feature_scale(exported, self.feature_scale.reciprocal()).state_dict())
+        (fc.weight / scale), so that the drafter computes the same function as the exported one. Grown
+        layers keep their random weights but zeroed output projections: each starts as the identity on
+        the residual stream, so the grown drafter also starts where the exported one ended."""
+        state = fold_feature_scale(exported, self.feature_scale.reciprocal()).state_dict()
+        missing, unexpected = self.drafter.load_state_dict(state, strict=False)
+        grown = tuple(f"layers.{i}." for i in range(exported.cfg.num_layers, self.cfg.num_layers))
+        assert not unexpected and set(missing) == {k for k in self.drafter.state_dict() if k.startswith(grown)}
+        with torch.no_grad():
+            for layer in self.drafter.layers[exported.cfg.num_layers:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
