@@ -30,16 +30,18 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
         engine.complete(ids, params)
     tokens = steps = committed = 0
     wall = decode = 0.0
+    outputs = []
     for ids in prompts:
         began = time.perf_counter()
         r = engine.complete(ids, params)
         wall += time.perf_counter() - began
         decode += r.decode_s
         tokens += r.generated_tokens
+        outputs.append(r.token_ids)
         if r.spec is not None:
             steps += r.spec.steps
             committed += r.spec.committed
-    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode}
+    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode, "outputs": outputs}
     if steps:
         out["acceptance_length"] = committed / steps
     return out
@@ -50,20 +52,21 @@ def run_transformers(model, prompts: list[list[int]], max_new: int, **generate_a
     prompt length), then time each prompt end to end."""
     device = model.device
 
-    def generate(ids: list[int]) -> int:
+    def generate(ids: list[int]) -> list[int]:
         x = torch.tensor([ids], device=device)
-        return model.generate(x, max_new_tokens=max_new, do_sample=False, **generate_args).shape[1] - x.shape[1]
+        return model.generate(x, max_new_tokens=max_new, do_sample=False, **generate_args)[0, len(ids):].tolist()
 
     for ids in prompts:
         generate(ids)
-    tokens, wall = 0, 0.0
+    outputs, wall = [], 0.0
     for ids in prompts:
         sync(device)
         began = time.perf_counter()
-        tokens += generate(ids)
+        outputs.append(generate(ids))
         sync(device)
         wall += time.perf_counter() - began
-    return {"tokens": tokens, "tok_per_s": tokens / wall}
+    tokens = sum(len(o) for o in outputs)
+    return {"tokens": tokens, "tok_per_s": tokens / wall, "outputs": outputs}
 
 
 def never_matching_drafter(like: DFlashDrafter) -> DFlashDrafter:
@@ -161,13 +164,20 @@ def run(args) -> dict:
     if device.type == "cuda" and args.part == "all":
         attempt("qwen3-8b-shaped plain decode", lambda: qwen3_8b_mbu(device, bandwidth))
     base = results["deepflash plain"].get("tok_per_s")
+    reference = results["deepflash plain"].get("outputs")
     rows = []
     for name, r in results.items():
         ratio = r["tok_per_s"] / base if base and "tok_per_s" in r else None
+        outputs = r.pop("outputs", None)
+        if name.startswith("deepflash") and outputs is not None and reference is not None:
+            # greedy: every deepflash system must match our plain decode token for token (transformers'
+            # outputs follow their own stop rules and kernels, so they are not compared)
+            r["same_output_as_our_plain"] = sum(a == b for a, b in zip(outputs, reference))
         rows.append([name, r.get("tok_per_s", r.get("decode_tok_per_s", r.get("error", "-"))),
-                     ratio if ratio is not None else "-", r.get("acceptance_length", "-"), r.get("mbu", "-")])
+                     ratio if ratio is not None else "-", r.get("acceptance_length", "-"), r.get("mbu", "-"),
+                     f"{r['same_output_as_our_plain']}/{len(prompts)}" if "same_output_as_our_plain" in r else "-"])
     table(f"speed: {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy",
-          ["system", "tok/s", "vs our plain", "AL", "MBU"], rows)
+          ["system", "tok/s", "vs our plain", "AL", "MBU", "same output as our plain"], rows)
     record = {"bench": "speed", **environment(device), "copy_bandwidth_gb_s": bandwidth, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "results": results}
     return finish(record, args.out)
