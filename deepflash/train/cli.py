@@ -49,6 +49,8 @@ def register(sub) -> None:
     train.add_argument("--grow-layers", type=int, default=0,
                        help="with --init-from: append this many full-attention layers, each starting as the "
                             "identity (zeroed output projections), to add capacity without starting over")
+    train.add_argument("--no-cudnn-attention", action="store_true",
+                       help="keep SDPA off cuDNN attention, which plans anew for every sequence length")
     train.add_argument("--norm-lr-scale", type=float, default=1.0,
                        help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
                             "end up, and AdamW moves them by about lr per step)")
@@ -98,6 +100,7 @@ def cmd_train(args) -> None:
                      anchors=args.anchors, lr=args.lr, steps=args.steps, max_minutes=args.max_minutes,
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
+                     cudnn_attention=not args.no_cudnn_attention,
                      device=args.device)
     target, tokenizer, device = _load(args)
     folder = Trainer(tc, target, tokenizer, device).run()

@@ -76,6 +76,7 @@ class TrainConfig:
     init_from: str | None = None  # an exported drafter to continue from (fresh optimizer and schedule)
     norm_lr_scale: float = 1.0  # learning rate of the norm gains relative to --lr (module doc)
     grow_layers: int = 0  # with init_from: full-attention layers appended as identities (zeroed output projections)
+    cudnn_attention: bool = True  # False: SDPA may not use cuDNN attention (per-shape plans; profile_train.py)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -318,6 +319,20 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
     def batch_loss(self, batch: list[Sequence], attention: str | None = None, train: bool = True):
+        with self._sdpa_backends():
+            return self._batch_loss(batch, attention, train)
+
+    def _sdpa_backends(self):
+        """All SDPA backends, or all but cuDNN attention (--no-cudnn-attention): every sequence length is
+        a new shape, for which cuDNN builds a new plan on the host."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+                    if self.tc.cudnn_attention or b != SDPBackend.CUDNN_ATTENTION]
+        return sdpa_kernel(backends)
+
+    def _batch_loss(self, batch: list[Sequence], attention: str | None, train: bool):
         feats = self._features(batch)
         total = torch.zeros((), device=self.device)
         weight = torch.zeros((), device=self.device)

@@ -117,13 +117,12 @@ def main() -> None:
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         synthetic_data(Path(tmp) / "data", target.cfg.vocab_size, 48 if device.type == "cuda" else 3)
-        # cudnn=False: SDPA may not pick cuDNN attention, whose per-shape plans every new sequence
-        # length would rebuild (one suspect for the idle GPU time)
+        # cudnn=False (--no-cudnn-attention): SDPA may not pick cuDNN attention, whose per-shape plans
+        # every new sequence length would rebuild (one suspect for the idle GPU time)
         for attention, batch_tokens, cudnn in (("sdpa", 4096, True), ("sdpa", 16384, True), ("sdpa", 16384, False)):
-            torch.backends.cuda.enable_cudnn_sdp(cudnn)
             tc = TrainConfig(data=str(Path(tmp) / "data"), out=str(Path(tmp) / "run"), layers=2,
                              batch_tokens=batch_tokens, steps=1000, attention=attention, device=args.device,
-                             eval_every=10**9, ckpt_every=10**9)
+                             eval_every=10**9, ckpt_every=10**9, cudnn_attention=cudnn)
             run = {"attention": attention, "batch_tokens": batch_tokens, "cudnn_sdpa": cudnn}
             try:
                 trainer = Trainer(tc, target, tokenizer, device)
@@ -138,7 +137,6 @@ def main() -> None:
                 record["host_top"] = host_top(trainer, 3)
                 if device.type == "cuda":
                     record["top"] = kernel_top(trainer, 3)
-        torch.backends.cuda.enable_cudnn_sdp(True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps({"runs": record["runs"]}))
