@@ -20,7 +20,7 @@ import torch
 
 from deepflash.models import load_target
 from deepflash.tokenizer import load_tokenizer
-from deepflash.train.shards import Sequence, write_shard
+from deepflash.train.shards import Sequence, iter_batches, write_shard
 from deepflash.train.trainer import TrainConfig, Trainer
 
 
@@ -37,9 +37,7 @@ def synthetic_data(folder: Path, vocab: int, count: int, response: int = 320) ->
 
 
 def timed_steps(trainer: Trainer, steps: int) -> dict:
-    from deepflash.train.shards import iter_batches
-
-    batches = list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))
+    batches = batches_of(trainer)
     trainer.step(batches[0])  # warm-up (allocator, kernels, flex compile)
     sync()
     began, tokens = time.perf_counter(), 0
@@ -52,15 +50,17 @@ def timed_steps(trainer: Trainer, steps: int) -> dict:
     return {"steps": len(timed), "s_per_step": seconds / len(timed), "seq_tok_per_s": tokens / seconds}
 
 
+def batches_of(trainer: Trainer) -> list:
+    return list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def kernel_top(trainer: Trainer, steps: int) -> list[dict]:
-    from deepflash.train.shards import iter_batches
-
-    batches = list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))[:steps]
+    batches = batches_of(trainer)[:steps]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         for batch in batches:
@@ -84,9 +84,7 @@ def host_top(trainer: Trainer, steps: int) -> list[dict]:
     import cProfile
     import pstats
 
-    from deepflash.train.shards import iter_batches
-
-    batches = list(iter_batches(trainer.train_seqs, trainer.tc.batch_tokens, trainer.generator))[:steps]
+    batches = batches_of(trainer)[:steps]
     profiler = cProfile.Profile()
     profiler.enable()
     for batch in batches:
