@@ -155,3 +155,24 @@ def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(mon
     params = SamplingParams(max_new_tokens=40)
     assert engine.complete(ids, params).token_ids == plain(ids, params).token_ids
     assert len(checked) >= 4
+
+
+def test_blocks_stay_full_size_to_the_end_of_the_output(monkeypatch):
+    """Each block size is its own CUDA graph (and cuBLAS workspace): a request's last blocks must not
+    shrink to the tokens still wanted; only the end of the context may shorten one."""
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="on", block_size=8, max_ctx=64)
+    keys = []
+    run = engine.graphs.run
+    monkeypatch.setattr(engine.graphs, "run", lambda key, fn: (keys.append(key), run(key, fn)))
+    ids = prompt(10, seed=4)
+    params = SamplingParams(max_new_tokens=13)
+    assert engine.complete(ids, params).token_ids == plain(ids, params).token_ids
+    assert {key[1] for key in keys if key[0] in ("draft", "verify")} == {8}
+    keys.clear()
+    long = prompt(50, seed=5)  # 13 positions of context left: the last block is cut by the cache's end
+    params = SamplingParams(max_new_tokens=20)
+    out = engine.complete(long, params)
+    assert out.token_ids == Engine(TARGET, TOKENIZER, max_ctx=64).complete(long, params).token_ids
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50
+    assert min(key[1] for key in keys if key[0] == "verify") < 8
