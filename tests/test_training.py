@@ -177,3 +177,16 @@ def test_training_without_cudnn_attention_gives_the_same_loss(dataset, tmp_path)
     losses = [Trainer(TrainConfig(out=str(tmp_path / str(flag)), cudnn_attention=flag, **common), target, tok,
                       torch.device("cpu")).evaluate()["eval_loss"] for flag in (True, False)]
     assert losses[0] == losses[1]
+
+
+def test_padding_shapes_leaves_the_loss_unchanged(dataset, tmp_path):
+    """--pad-to adds context rows no query can see and anchors without loss: the same loss and accuracy."""
+    target, tok, data, _ = dataset
+    common = dict(data=str(data), layers=1, taps=2, block_size=4, steps=1, anchors=64, attention="sdpa",
+                  mask_token_id=95, eval_fraction=0.25)
+    plain, padded = (Trainer(TrainConfig(out=str(tmp_path / str(pad)), pad_to=pad, **common), target, tok,
+                             torch.device("cpu")) for pad in (0, 48))
+    assert padded._padded(100) == 144 and plain._padded(100) == 100
+    torch.testing.assert_close(padded.feature_scale, plain.feature_scale)
+    a, b = plain.evaluate(), padded.evaluate()
+    assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-4 and a["eval_acc"] == b["eval_acc"]

@@ -77,6 +77,7 @@ class TrainConfig:
     norm_lr_scale: float = 1.0  # learning rate of the norm gains relative to --lr (module doc)
     grow_layers: int = 0  # with init_from: full-attention layers appended as identities (zeroed output projections)
     cudnn_attention: bool = True  # False: SDPA may not use cuDNN attention (per-shape plans; profile_train.py)
+    pad_to: int = 0  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -93,6 +94,8 @@ class TrainConfig:
             raise UserError("--grow-layers adds layers to the drafter of --init-from; give one")
         if self.grow_layers < 0:
             raise UserError(f"--grow-layers must be >= 0, got {self.grow_layers}")
+        if self.pad_to < 0:
+            raise UserError(f"--pad-to must be >= 0, got {self.pad_to}")
         if self.norm_lr_scale <= 0:
             raise UserError(f"--norm-lr-scale must be positive, got {self.norm_lr_scale}")
         return self
@@ -156,22 +159,27 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
     return candidates
 
 
-def block_loss(drafter: DFlashDrafter, target, tokens, feats, loss_mask, anchors, weights, attention: str):
-    """Decay-weighted CE of one sequence's packed anchor blocks; returns (loss, weight sum, per-k hits, per-k counts)."""
+def block_loss(drafter: DFlashDrafter, target, tokens, feats, loss_mask, anchors, weights, attention: str,
+               real_anchors: int | None = None):
+    """Decay-weighted CE of one sequence's packed anchor blocks; returns (loss, weight sum, per-k hits, per-k counts).
+    `feats` may have padding rows past the sequence (never visible: context is strictly before an anchor),
+    and anchors past `real_anchors` are padding (no loss)."""
     cfg = drafter.cfg
-    size, seq_len = cfg.block_size, tokens.shape[0]
+    size, seq_len, ctx_len = cfg.block_size, tokens.shape[0], feats.shape[0]
     device = tokens.device
     ctx = drafter.fuse(feats[None])
-    ctx_kv = drafter.context_kv(ctx, torch.arange(seq_len, device=device))
+    ctx_kv = drafter.context_kv(ctx, torch.arange(ctx_len, device=device))
     block_id, offset, q_pos = query_layout(anchors, size)
     block = torch.where(offset == 0, tokens[anchors[block_id]], cfg.mask_token_id)
     x = drafter.block_embeddings(target.model.embed_tokens, block[None])
-    masks = _layer_masks(cfg, anchors, seq_len, attention)
+    masks = _layer_masks(cfg, anchors, ctx_len, attention)
     hidden = drafter(x, q_pos, ctx_kv, masks)[0].view(anchors.shape[0], size, -1)[:, 1:]
     label_pos = anchors[:, None] + torch.arange(1, size, device=device)
     valid = label_pos < seq_len
     label_pos = label_pos.clamp(max=seq_len - 1)
     valid &= loss_mask[label_pos]
+    if real_anchors is not None:
+        valid &= (torch.arange(anchors.shape[0], device=device) < real_anchors)[:, None]
     labels = tokens[label_pos]
     logits = drafter.logits(hidden, target.lm_head)
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
@@ -281,7 +289,7 @@ class Trainer:
 
     def _raw_features(self, batch: list[Sequence]) -> torch.Tensor:
         """Tap-layer features of right-padded sequences (padding after a sequence cannot affect it)."""
-        longest = max(len(s) for s in batch)
+        longest = self._padded(max(len(s) for s in batch))
         tokens = torch.zeros(len(batch), longest, dtype=torch.long, device=self.device)
         for i, s in enumerate(batch):
             tokens[i, : len(s)] = s.tokens.to(self.device)
@@ -296,7 +304,7 @@ class Trainer:
         row, whose activations are ~100x the others')."""
         squares, count = 0.0, 0
         for seq in sample:
-            feats = self._raw_features([seq])[0, 1:].float()
+            feats = self._raw_features([seq])[0, 1 : len(seq)].float()
             squares = squares + feats.square().sum(0)
             count += feats.shape[0]
         return (squares / max(count, 1)).sqrt().clamp(min=1e-3).reciprocal()
@@ -314,6 +322,12 @@ class Trainer:
             for layer in self.drafter.layers[exported.cfg.num_layers:]:
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
+
+    def _padded(self, length: int) -> int:
+        """A sequence length rounded up to --pad-to (within the target's context): every new length is a
+        new shape for the attention kernels, and some plan per shape on the host."""
+        pad = self.tc.pad_to
+        return min(-(-length // pad) * pad, self.target.cfg.max_position_embeddings) if pad else length
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
@@ -340,12 +354,15 @@ class Trainer:
         counts = torch.zeros_like(hits)
         for i, seq in enumerate(batch):
             anchors = sample_anchors(seq, self.tc.anchors, self.generator).to(self.device)
-            if anchors.numel() == 0:
+            real = anchors.numel()
+            if real == 0:
                 continue
+            if self.tc.pad_to:  # a fixed anchor count too: the padding repeats the last anchor, without loss
+                anchors = torch.cat([anchors, anchors[-1:].expand(self.tc.anchors - real)])
             with self._autocast(), torch.set_grad_enabled(train):
-                loss, w, h, c = block_loss(self.drafter, self.target, seq.tokens.to(self.device), feats[i, : len(seq)],
-                                           seq.loss_mask.to(self.device), anchors, self.weights,
-                                           attention or self.attention)
+                loss, w, h, c = block_loss(self.drafter, self.target, seq.tokens.to(self.device),
+                                           feats[i, : self._padded(len(seq))], seq.loss_mask.to(self.device),
+                                           anchors, self.weights, attention or self.attention, real)
             if train:
                 (loss / len(batch)).backward()  # free each sequence's graph before the next
             total += loss.detach()

@@ -1,8 +1,9 @@
 """Where a drafter training step's time goes (issue 6: training ran at ~10k sequence tokens/s on an
 H200, far below what the FLOPs allow). Trains the embedded target's drafter on synthetic sequences
 shaped like the generated data (prompts of 300-7000 tokens + 320 response tokens): step time and
-sequence tokens/s per batch size and with cuDNN attention on or off, then the host-side time by
-function (cProfile) and the top kernels (torch.profiler) of a few steps. Ends with one JSON line.
+sequence tokens/s per batch size, with cuDNN attention on or off and with shapes padded or not, then
+the host-side time by function (cProfile) and the top kernels (torch.profiler) of a few steps. Ends
+with one JSON line.
 
     python3 scripts/gpu/profile_train.py --out profile_train.json
 """
@@ -24,8 +25,10 @@ from deepflash.train.shards import Sequence, iter_batches, write_shard
 from deepflash.train.trainer import TrainConfig, Trainer
 
 
-def synthetic_data(folder: Path, vocab: int, count: int, response: int = 320) -> None:
-    gen = torch.Generator().manual_seed(0)
+def synthetic_data(folder: Path, vocab: int, count: int, seed: int, response: int = 320) -> None:
+    """Sequences of random lengths; a new seed per variant, so that no variant meets shapes (and their
+    cached kernel plans) that an earlier one made."""
+    gen = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(count):
         prompt = int(torch.randint(300, 7000, (1,), generator=gen))
@@ -41,7 +44,7 @@ def timed_steps(trainer: Trainer, steps: int) -> dict:
     trainer.step(batches[0])  # warm-up (allocator, kernels, flex compile)
     sync()
     began, tokens = time.perf_counter(), 0
-    timed = batches[1: steps + 1]
+    timed = batches[1: steps + 1] or batches[:1]  # a dry run may have only one batch
     for batch in timed:
         trainer.step(batch)
         tokens += sum(len(s) for s in batch)
@@ -114,14 +117,18 @@ def main() -> None:
     tokenizer = load_tokenizer(folder)
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        synthetic_data(Path(tmp) / "data", target.cfg.vocab_size, 48 if device.type == "cuda" else 3)
-        # cudnn=False (--no-cudnn-attention): SDPA may not pick cuDNN attention, whose per-shape plans
-        # every new sequence length would rebuild (one suspect for the idle GPU time)
-        for attention, batch_tokens, cudnn in (("sdpa", 4096, True), ("sdpa", 16384, True), ("sdpa", 16384, False)):
-            tc = TrainConfig(data=str(Path(tmp) / "data"), out=str(Path(tmp) / "run"), layers=2,
+        # The suspects for the idle GPU time are per-shape costs, since every sequence length is a new shape:
+        # cudnn=False (--no-cudnn-attention) keeps SDPA off cuDNN attention, which plans per shape;
+        # pad > 0 (--pad-to) leaves few shapes.
+        variants = (("sdpa", 4096, True, 0), ("sdpa", 16384, True, 0), ("sdpa", 16384, False, 0),
+                    ("sdpa", 16384, True, 256), ("sdpa", 16384, False, 256))
+        for index, (attention, batch_tokens, cudnn, pad) in enumerate(variants):
+            data = Path(tmp) / f"data-{index}"
+            synthetic_data(data, target.cfg.vocab_size, 48 if device.type == "cuda" else 3, seed=index)
+            tc = TrainConfig(data=str(data), out=str(Path(tmp) / "run"), layers=2,
                              batch_tokens=batch_tokens, steps=1000, attention=attention, device=args.device,
-                             eval_every=10**9, ckpt_every=10**9, cudnn_attention=cudnn)
-            run = {"attention": attention, "batch_tokens": batch_tokens, "cudnn_sdpa": cudnn}
+                             eval_every=10**9, ckpt_every=10**9, cudnn_attention=cudnn, pad_to=pad)
+            run = {"attention": attention, "batch_tokens": batch_tokens, "cudnn_sdpa": cudnn, "pad_to": pad}
             try:
                 trainer = Trainer(tc, target, tokenizer, device)
                 run.update(timed_steps(trainer, args.steps))
