@@ -60,7 +60,7 @@ class FeatureRing:
         self.capacity = window + slack
         self.data = torch.zeros((self.capacity, *fmt.row_shape(width)), dtype=fmt.storage_dtype(), device=device)
         self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
-        self._store, self.decode = ring_kernels(kernels, fmt)
+        self._store, self.decode = store_and_decode(kernels, fmt)
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +130,7 @@ class FeatureStore:
 RING_KERNELS = ("torch", "compile", "triton")
 
 
-def ring_kernels(kind: str, fmt: RowFormat):
+def store_and_decode(kind: str, fmt: RowFormat):
     """The (store, decode) functions of a ring.
     torch: quant.py's vectorized forms, eager (q4_0 encode is about 15 small kernels).
     compile: the same through torch.compile, for the block formats only (on an H200, BENCHMARKS.md:

@@ -28,8 +28,8 @@ class StepGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         # One warm-up stream and one capture stream for every capture: cuBLAS keeps a workspace per
-        # stream it has run on (32 MiB on Hopper), so a fresh stream per capture cost 64 MiB per graph
-        # variant (measured: ~1 GB of a 7.8K-token request's peak, issue 4).
+        # stream it has run on (32 MiB on Hopper), so a fresh warm-up stream per capture cost 32 MiB per
+        # graph variant (measured: ~1 GB of a 7.8K-token request's peak, issue 4).
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.enabled else None
 
     def run(self, key: tuple, fn: Callable[[], None]) -> None:

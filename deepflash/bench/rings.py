@@ -53,7 +53,7 @@ def run(args) -> dict:
     bandwidth = copy_bandwidth(device)
     results = {}
     for kernels in args.kernels.split(","):
-        # torch.compile only changes the block formats (features.ring_kernels)
+        # torch.compile only changes the block formats (features.store_and_decode)
         names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
         for fmt in names:
             r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels)

@@ -64,9 +64,11 @@ rm -rf $ROOT/shipped-drafter && cp -r deepflash/drafters/smollm2-135m $ROOT/ship
 INIT_FROM=${INIT_FROM-$ROOT/shipped-drafter}
 refresh
 [ -f scripts/gpu/train.env ] && source scripts/gpu/train.env && echo "=== train.env: $(cat scripts/gpu/train.env | tr '\n' ' ')"
+# --pad-to: every new batch shape costs host time (BENCHMARKS.md, third session); PAD_TO=0 turns it off
 train_run() {  # train_run OUT [EXTRA ARGS...]
   deepflash train-drafter train --device $DEVICE --data $DATA --out "$1" --layers $LAYERS --batch-tokens $BATCH_TOKENS \
-    --max-minutes $TRAIN_MINUTES --lr $LR --attention ${ATTENTION:-sdpa} ${INIT_FROM:+--init-from $INIT_FROM} "${@:2}"
+    --max-minutes $TRAIN_MINUTES --lr $LR --attention ${ATTENTION:-sdpa} --pad-to ${PAD_TO:-256} \
+    ${INIT_FROM:+--init-from $INIT_FROM} "${@:2}"
 }
 # TRAIN_B (extra arguments) trains a second arm side by side for an A/B; pick then chooses among all
 [ -n "${TRAIN_B:-}" ] && { stage train-b train_run $RUN-b $TRAIN_B & }
