@@ -3,8 +3,9 @@
 Speculation pays when (tokens committed per spec step) x t_plain / t_spec > 1. The controller keeps
 exponential averages of those three from measured steps; below break-even minus a margin it runs a
 plain burst, then probes speculation again. Features are captured during plain steps too, so a probe
-drafts with the full context (the drafter's K/V of the burst is computed in one batch when it starts). Consecutive failed probes double the burst (up to 8x) so that a drafter
-that never pays costs almost nothing.
+drafts with the full context (the drafter's K/V of the burst is computed in one batch when it starts).
+Consecutive failed probes double the burst (up to 8x) so that a drafter that never pays costs almost
+nothing.
 """
 
 from __future__ import annotations

@@ -116,10 +116,15 @@ class FeatureStore:
     def commit(self, positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the features of `positions`; return what the drafter should append: the positions kept
         and their rows decoded from the mirror, i.e. exactly what storage holds. No host sync."""
+        kept = self.store(positions, rows)
+        return kept, self.mirror.decode(self.mirror.data[kept % self.mirror.capacity])
+
+    def store(self, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store the features of `positions` in the ring and the mirror; return the positions kept."""
         kept = self.ring.write(positions, rows)
         if self.mirror is not self.ring:
             kept = self.mirror.write(positions.to(self.mirror.data.device), rows)
-        return kept, self.mirror.decode(self.mirror.data[kept % self.mirror.capacity])
+        return kept
 
     def context(self, end: int) -> tuple[int, torch.Tensor]:
         """The drafter's whole context before position `end`: min(end, window) positions, no floor."""

@@ -25,7 +25,6 @@ except ImportError:  # torch's CPU builds do not bring Triton
 
 GROUPS = 32  # blocks of 32 values per program
 CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
-BLOCK_BYTES = {3: 2 + QK, 4: 2 + QK // 2}
 
 
 def available() -> bool:
@@ -44,8 +43,7 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stored rows [n, row elements] -> values [n, width] in dtype."""
-    code = CODES[fmt.name]
-    width = data.shape[1] if code < 3 else data.shape[1] // BLOCK_BYTES[code] * QK
+    width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
     grid = (data.shape[0], triton.cdiv(triton.cdiv(width, QK), GROUPS))

@@ -65,7 +65,7 @@ class Steps:
         logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
         token = choose(logits[0], pos + 1, params, s.seed)
         if self.features is not None:
-            self.features.commit(pos, feats.reshape(-1, feats.shape[-1]))
+            self.features.store(pos, feats.reshape(-1, feats.shape[-1]))
         s.result[:1].zero_()  # not result[0] = 0: a host scalar copy cannot be captured in a graph
         s.result[1:2].copy_(token)
         s.last.copy_(token)
