@@ -20,7 +20,7 @@ import torch
 from .controller import SpecController
 from .drafter import DFlashDrafter, DrafterContext, validate_pair
 from .errors import UserError
-from .features import FeatureStore, drafter_window
+from .features import FeatureStore, drafter_window, pick_ring_kernels
 from .graphs import StepGraphs, kv_bucket
 from .models import TargetModel
 from .output import OutputTracker
@@ -104,7 +104,8 @@ class Engine:
     def __init__(self, target: TargetModel, tokenizer: Tokenizer, drafter: DFlashDrafter | None = None, *,
                  max_ctx: int | None = None, block_size: int | None = None, feature_dtype: str = "f32",
                  feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
-                 prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False):
+                 prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False,
+                 ring_kernels: str = "auto"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         cfg = target.cfg
         self.max_ctx = min(max_ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -124,7 +125,8 @@ class Engine:
             self.window = drafter_window(self.max_ctx, self.trained_ctx, feat_ring_cap)
             width = len(drafter.cfg.target_layer_ids) * cfg.hidden_size
             features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device, drafter.device,
-                                    slack=self.block_size, kernels="compile" if compile else "torch")
+                                    slack=self.block_size,
+                                    kernels=pick_ring_kernels(ring_kernels, self.device, compile))
             context = DrafterContext(drafter, self.window, slack=self.block_size)
         self.state = StepState(self.device, self.block_size)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)

@@ -132,7 +132,19 @@ class FeatureStore:
         return end - n, self.mirror.read(end - n, n)
 
 
-RING_KERNELS = ("torch", "compile", "triton")
+RING_KERNELS = ("auto", "torch", "compile", "triton")
+
+
+def pick_ring_kernels(kind: str, device: torch.device | str, compile: bool) -> str:
+    """auto: Triton on CUDA (one pass each way; BENCHMARKS.md), else the compiled torch forms under
+    --compile, else eager torch. Any other kind is taken as asked (store_and_decode checks it)."""
+    if kind != "auto":
+        return kind
+    from . import ring_kernels as triton_kernels
+
+    if torch.device(device).type == "cuda" and triton_kernels.available():
+        return "triton"
+    return "compile" if compile else "torch"
 
 
 def store_and_decode(kind: str, fmt: RowFormat):
@@ -148,8 +160,8 @@ def store_and_decode(kind: str, fmt: RowFormat):
         if not triton_kernels.available():
             raise UserError("ring kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
         return triton_kernels.write, functools.partial(triton_kernels.decode, fmt)
-    if kind not in RING_KERNELS:
-        raise UserError(f"ring kernels must be one of {', '.join(RING_KERNELS)}, got {kind!r}")
+    if kind not in RING_KERNELS[1:]:
+        raise UserError(f"ring kernels must be one of {', '.join(RING_KERNELS[1:])}, got {kind!r}")
     if kind == "compile" and fmt.dtype is None:
         return torch.compile(_store, dynamic=True), torch.compile(fmt.decode, dynamic=True)
     return _store, fmt.decode

@@ -12,6 +12,7 @@ from .config import DTYPES, EngineConfig, ModelConfig
 from .drafter import DFlashDrafter, load_drafter, validate_pair
 from .engine import Engine
 from .errors import UserError
+from .features import RING_KERNELS
 from .memory import MemoryPlan, auto_max_ctx, free_device_bytes, plan_memory
 from .models import TargetModel, load_target
 from .quant import FORMATS
@@ -81,7 +82,8 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     max_ctx = min(max_ctx or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     engine = Engine(target, tokenizer, drafter, max_ctx=max_ctx, block_size=cfg.block_size,
                     feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
-                    trained_ctx=cfg.trained_ctx, spec=cfg.spec, compile=cfg.compile)
+                    trained_ctx=cfg.trained_ctx, spec=cfg.spec, compile=cfg.compile,
+                    ring_kernels=cfg.ring_kernels)
     plan = plan_memory(target, drafter, max_ctx, **plan_args)
     name = cfg.model or EMBEDDED_NAME
     return Runtime(engine, tokenizer, target, drafter, name, str(draft_path) if draft_path else None, plan)
@@ -123,6 +125,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length")
     g.add_argument("--spec", default="auto", choices=["auto", "on", "off"], help="speculation policy")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode steps (slow first call)")
+    g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
+                   help="feature-ring kernels (auto: triton on CUDA, else torch; compiled with --compile)")
 
 
 def _max_ctx(value: str) -> int | str:
@@ -138,4 +142,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, draft=args.draft, no_draft=args.no_draft, block_size=args.block_size,
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=args.feat_ring_cap,
-                        trained_ctx=args.trained_ctx, spec=args.spec, compile=args.compile)
+                        trained_ctx=args.trained_ctx, spec=args.spec, compile=args.compile,
+                        ring_kernels=args.ring_kernels)

@@ -151,18 +151,31 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def gguf_folder(path: Path) -> Path:
-    """Convert a GGUF file once into an HF-style folder in the cache; later calls return the folder."""
+    """Convert a GGUF file once into an HF-style folder in the cache; later calls return the folder.
+
+    Processes that load the same file at once (two training runs side by side) each convert into their
+    own temporary folder and rename it into place; the folder only ever appears complete, and whoever
+    renames second keeps the first one's (a shared temporary folder let one process delete the other's
+    files, 2026-11-30)."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "model.safetensors").is_file():
         return folder
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _convert_gguf(path, tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    try:
+        _convert_gguf(path, tmp)
+        if folder.is_dir() and not (folder / "model.safetensors").is_file():
+            shutil.rmtree(folder)  # left incomplete by an older version
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -59,3 +59,24 @@ def test_store_commit_returns_what_the_mirror_holds():
     kept, decoded = store.commit(torch.arange(5, device=DEVICE), rows)
     assert torch.equal(kept.cpu(), torch.arange(5))
     assert torch.equal(decoded, FORMATS["q4_0"].decode(FORMATS["q4_0"].encode(rows)))
+
+
+@pytest.mark.parametrize("feature_dtype", ["f32", "q4_0"])
+def test_engine_with_triton_rings_keeps_the_greedy_contract(feature_dtype):
+    """The engine on Triton rings (the default on CUDA, where this also runs them under CUDA graphs):
+    greedy speculative output == greedy plain output, with a window shorter than the prompt."""
+    from helpers import drafter_config, llama_config, tiny_drafter, tiny_tokenizer
+
+    from deepflash.engine import Engine
+    from deepflash.models import materialize, random_model
+    from deepflash.sampling import SamplingParams
+
+    # built on the device: the fused projections are not parameters, so .to() would leave them behind
+    target = random_model(llama_config(), DEVICE, torch.float32, std=0.2)
+    drafter = materialize(tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).to(DEVICE), DEVICE)
+    tokenizer = tiny_tokenizer()
+    ids = torch.randint(5, 90, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=24)
+    spec = Engine(target, tokenizer, drafter, spec="on", feature_dtype=feature_dtype, feat_ring_cap=16,
+                  ring_kernels="triton").complete(ids, params)
+    assert spec.token_ids == Engine(target, tokenizer).complete(ids, params).token_ids

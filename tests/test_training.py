@@ -169,8 +169,8 @@ def test_norm_gains_start_at_the_target_scale_never_decay_and_take_their_own_lea
     assert gains["lr"] == pytest.approx(10 * matrices["lr"])
 
 
-def test_training_without_cudnn_attention_gives_the_same_loss(dataset, tmp_path):
-    """--no-cudnn-attention only narrows SDPA's choice of kernels (the CPU has no cuDNN attention)."""
+def test_cudnn_attention_switch_gives_the_same_loss(dataset, tmp_path):
+    """--cudnn-attention only widens SDPA's choice of kernels (the CPU has no cuDNN attention)."""
     target, tok, data, _ = dataset
     common = dict(data=str(data), layers=1, taps=2, block_size=4, steps=1, anchors=64, attention="sdpa",
                   mask_token_id=95, eval_fraction=0.25)

@@ -94,6 +94,27 @@ def test_gguf_converts_once_and_matches(tmp_path, monkeypatch):
     load_target(str(path))
 
 
+def test_gguf_conversion_finished_by_another_process_meanwhile(tmp_path, monkeypatch):
+    """Two processes converting the same file: the one that renames second keeps the first's folder,
+    and neither sees a half-written one."""
+    monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, tiny_hf_llama())
+    convert = weights._convert_gguf
+
+    def convert_while_another_finishes(src, out):
+        convert(src, out)
+        other = out.with_name("other")
+        other.mkdir()
+        convert(src, other)
+        other.rename(out.with_name(out.name.rsplit(".tmp-", 1)[0]))
+
+    monkeypatch.setattr(weights, "_convert_gguf", convert_while_another_finishes)
+    folder = weights.gguf_folder(path)
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
+
+
 def test_hub_id_offline_names_the_repo_and_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))

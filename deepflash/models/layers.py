@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import RopeConfig
+from ..kv import causal_mask
 
 
 class RMSNorm(nn.Module):
@@ -233,8 +234,23 @@ def fold_mask(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> tor
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, folded_mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA for grouped-query attention with an explicit mask (from fold_mask).
+CAUSAL = "causal"  # the mask of a forward over the whole key range: SDPA's own causal flag (forward_mask)
+
+
+def forward_mask(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | None, groups: int,
+                 dtype: torch.dtype) -> torch.Tensor | str:
+    """The attention mask of a target forward, for `attention`. A forward writes the cache slots of its
+    positions and sees slots < kv_len, so T == kv_len means positions 0..T-1: without a key mask that is
+    plain causal attention, which SDPA's flash kernels do without a mask tensor and skipping the masked
+    half (the drafter training's feature pass spent most of its step in masked attention, profile_train
+    2026-11-30). Anything else gets the folded explicit mask."""
+    if key_mask is None and positions.shape[-1] == kv_len:
+        return CAUSAL
+    return fold_mask(causal_mask(positions, kv_len, key_mask), groups, dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, folded_mask: torch.Tensor | str | None) -> torch.Tensor:
+    """SDPA for grouped-query attention with an explicit mask (from fold_mask), or causal (CAUSAL).
 
     SDPA's fused kernels reject enable_gqa together with a mask and fall back to the math kernel
     (full score matrix, K/V repeated per head). Folding each K/V head's query group into the query
@@ -243,5 +259,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, folded_mask: to
     q [B, H, T, D], k/v [B, Hkv, S, D]."""
     b, h, t, d = q.shape
     groups = h // k.shape[1]
+    if isinstance(folded_mask, str):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
     q = q.reshape(b, k.shape[1], groups * t, d)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=folded_mask).reshape(b, h, t, d)

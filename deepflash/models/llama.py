@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..kv import KVCache, causal_mask
+from ..kv import KVCache
 from .base import TargetModel
-from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fold_mask, fuse_linears
+from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears
 
 
 class Attention(nn.Module):
@@ -96,6 +96,6 @@ class LlamaModel(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
-        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
+        mask = forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, positions, cache, i, kv_len, mask),
                                capture, logits)

@@ -18,11 +18,11 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..kv import KVCache, causal_mask
+from ..kv import KVCache
 from .base import TargetModel
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
 from .hybrid_cache import ROLLBACK_MODES, HybridCache
-from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention, fold_mask
+from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention, forward_mask
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -61,7 +61,7 @@ class Step:
     positions: torch.Tensor
     cache: HybridCache
     kv_len: int
-    mask: torch.Tensor
+    mask: torch.Tensor | str  # folded mask or layers.CAUSAL
     live: torch.Tensor | None  # [B, T], False on left padding
 
 
@@ -184,7 +184,7 @@ class Qwen35Model(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         live = None if key_mask is None else key_mask[:, positions]
-        mask = fold_mask(causal_mask(positions, kv_len, key_mask), self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
+        mask = forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         step = Step(cos, sin, positions, cache, kv_len, mask, live)
         return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits)
 

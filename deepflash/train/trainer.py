@@ -76,8 +76,8 @@ class TrainConfig:
     init_from: str | None = None  # an exported drafter to continue from (fresh optimizer and schedule)
     norm_lr_scale: float = 1.0  # learning rate of the norm gains relative to --lr (module doc)
     grow_layers: int = 0  # with init_from: full-attention layers appended as identities (zeroed output projections)
-    cudnn_attention: bool = True  # False: SDPA may not use cuDNN attention (per-shape plans; profile_train.py)
-    pad_to: int = 0  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
+    cudnn_attention: bool = False  # True: SDPA may use cuDNN attention, which plans per shape (9x slower steps)
+    pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -337,8 +337,9 @@ class Trainer:
             return self._batch_loss(batch, attention, train)
 
     def _sdpa_backends(self):
-        """All SDPA backends, or all but cuDNN attention (--no-cudnn-attention): every sequence length is
-        a new shape, for which cuDNN builds a new plan on the host."""
+        """All SDPA backends but cuDNN attention, unless --cudnn-attention: every sequence length is a
+        new shape, for which cuDNN builds a new plan on the host (an H200 step took 1.76 s with it,
+        0.22 s without; 0.19 s also with --pad-to 256: BENCHMARKS.md, fourth session)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backends = [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,

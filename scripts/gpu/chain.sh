@@ -55,8 +55,18 @@ if [ -f "$CARRIED_DATA" ]; then  # token shards brought back by an earlier sessi
   mkdir -p $DATA && tar xzf "$CARRIED_DATA" -C $DATA && echo "=== $(date +%T) using carried data"
 else
   stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
-  tar czf $ROOT/data.tgz -C $DATA .  # collect.sh brings it back, so later sessions can skip datagen
+  NEW_DATA=1
 fi
+# MORE_DATA (generate arguments, e.g. "--count 6000 --seed 1") adds shards to the carried or new data
+if [ -n "${MORE_DATA:-}" ]; then
+  stage datagen-more deepflash train-drafter generate --device $DEVICE --out $DATA-more $MORE_DATA
+  for f in $DATA-more/shard-*.safetensors; do mv "$f" "$DATA/shard-m${SEED_TAG:-1}-$(basename "${f#*shard-}")"; done
+  cp $DATA-more/summary.json $R/data-more-summary.json
+  NEW_DATA=1
+fi
+# collect.sh brings the shards back, so later sessions can skip datagen
+[ -n "${NEW_DATA:-}" ] && tar czf $ROOT/data.tgz -C $DATA . && echo "=== $(date +%T) data packed: $(du -h $ROOT/data.tgz)"
+[ "${TRAIN:-1}" = 0 ] && { echo "CHAIN_DONE (TRAIN=0)"; exit 0; }
 # training continues from the shipped drafter (--init-from: its architecture, fresh optimizer), so that
 # it accumulates over sessions; INIT_FROM= (empty) trains LAYERS from scratch.
 # scripts/gpu/train.env, if a keep-alive run carried one, overrides the training settings.
