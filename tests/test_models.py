@@ -133,3 +133,22 @@ def test_cost_accounting():
     assert ours.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert ours.weight_bytes() == sum(p.numel() * 4 for p in ours.parameters())
     assert ours.decode_weight_bytes() < ours.weight_bytes()  # only routed experts are read
+
+
+def test_moving_a_fused_model_moves_its_fused_projections():
+    """.to() re-fuses q/k/v and gate/up from the moved parameters: a forward after a dtype (or device)
+    change runs in the new dtype, gives the same logits, and the parameters stay views of the fused
+    tensors (nothing stored twice)."""
+    from helpers import tiny_target
+
+    model = tiny_target(torch.float32)
+    ids, pos = torch.arange(8)[None], torch.arange(8)
+    before = model(ids, pos, model.new_cache(1, 8))[0]
+    model.to(torch.float64)
+    after = model(ids, pos, model.new_cache(1, 8))[0]
+    assert after.dtype == torch.float64
+    torch.testing.assert_close(after, before.double(), rtol=1e-5, atol=1e-5)
+    attn = model.model.layers[0].self_attn
+    fused = attn.qkv[0]
+    assert fused.dtype == torch.float64
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()

@@ -47,15 +47,7 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model.tie_weights()
-    return fuse_projections(materialize(model, device)).eval().requires_grad_(False)
-
-
-def fuse_projections(model: TargetModel) -> TargetModel:
-    """Fused GEMMs for a frozen target's projections that share an input (layers.fuse_linears)."""
-    for module in model.modules():
-        if hasattr(module, "fuse_projections"):
-            module.fuse_projections()
-    return model
+    return materialize(model, device).fuse_projections().eval().requires_grad_(False)
 
 
 def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
@@ -93,7 +85,7 @@ def random_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int 
     model = model.to_empty(device=device)
     model.tie_weights()
     init_random_(model, seed, std, on_device)
-    return fuse_projections(materialize(model, device)).eval().requires_grad_(False)
+    return materialize(model, device).fuse_projections().eval().requires_grad_(False)
 
 
 def load_target(spec: str | None, device="cpu", dtype=torch.float32) -> tuple[TargetModel, Path]:

@@ -23,6 +23,23 @@ class TargetModel(nn.Module):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
+    fused = False  # set by fuse_projections
+
+    def fuse_projections(self) -> TargetModel:
+        """Fused GEMMs for a frozen target's projections that share an input (layers.fuse_linears)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+        self.fused = True
+        return self
+
+    def _apply(self, fn, recurse=True):
+        """.to() and friends move parameters one by one, which would leave the fused projection tensors
+        behind on the old device or dtype (a forward then fails on mixed devices): fuse them again from
+        the moved parameters."""
+        super()._apply(fn, recurse)
+        return self.fuse_projections() if self.fused else self
+
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

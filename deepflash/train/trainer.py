@@ -348,22 +348,20 @@ class Trainer:
         return sdpa_kernel(backends)
 
     def _batch_loss(self, batch: list[Sequence], attention: str | None, train: bool):
+        # every host-to-device copy first: a copy from pageable memory waits for the GPU's queue, and one
+        # per sequence between the GPU work serialised host and GPU (profile_train, fourth session)
+        inputs = [self._sequence_inputs(seq) for seq in batch]
         feats = self._features(batch)
         total = torch.zeros((), device=self.device)
         weight = torch.zeros((), device=self.device)
         hits = torch.zeros(self.cfg.block_size - 1, device=self.device)
         counts = torch.zeros_like(hits)
-        for i, seq in enumerate(batch):
-            anchors = sample_anchors(seq, self.tc.anchors, self.generator).to(self.device)
-            real = anchors.numel()
+        for i, (seq, (tokens, loss_mask, anchors, real)) in enumerate(zip(batch, inputs)):
             if real == 0:
                 continue
-            if self.tc.pad_to:  # a fixed anchor count too: the padding repeats the last anchor, without loss
-                anchors = torch.cat([anchors, anchors[-1:].expand(self.tc.anchors - real)])
             with self._autocast(), torch.set_grad_enabled(train):
-                loss, w, h, c = block_loss(self.drafter, self.target, seq.tokens.to(self.device),
-                                           feats[i, : self._padded(len(seq))], seq.loss_mask.to(self.device),
-                                           anchors, self.weights, attention or self.attention, real)
+                loss, w, h, c = block_loss(self.drafter, self.target, tokens, feats[i, : self._padded(len(seq))],
+                                           loss_mask, anchors, self.weights, attention or self.attention, real)
             if train:
                 (loss / len(batch)).backward()  # free each sequence's graph before the next
             total += loss.detach()
@@ -371,6 +369,15 @@ class Trainer:
             hits += h
             counts += c
         return total / weight.clamp(min=1), hits / counts.clamp(min=1)
+
+    def _sequence_inputs(self, seq: Sequence):
+        """A sequence's tokens, loss mask and anchors on the device, and its real anchor count. With
+        --pad-to the anchors are padded to a fixed count by repeating the last one (no loss)."""
+        anchors = sample_anchors(seq, self.tc.anchors, self.generator)
+        real = anchors.numel()
+        if self.tc.pad_to and real:
+            anchors = torch.cat([anchors, anchors[-1:].expand(self.tc.anchors - real)])
+        return seq.tokens.to(self.device), seq.loss_mask.to(self.device), anchors.to(self.device), real
 
     def step(self, batch: list[Sequence]) -> dict:
         began = time.perf_counter()
