@@ -168,3 +168,26 @@ def check_left_padded_batch(model, vocab: int, tol: float) -> None:
         lb, _ = model(b[None], torch.arange(5), model.new_cache(1, 64))
     assert (logits[0] - la[0]).abs().max() <= tol
     assert (logits[1, 4:] - lb[0]).abs().max() <= tol
+
+
+def triton_device() -> str:
+    """For test modules of Triton kernels, called at import: the device to run them on. Without CUDA
+    they run in Triton's interpreter, switched on here before Triton is first imported (its standard
+    library is defined under the switch too); without Triton (torch's CPU builds) the module skips."""
+    import importlib.util
+    import os
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (torch CPU builds lack it); the GPU chain runs these tests",
+                    allow_module_level=True)
+    if torch.cuda.is_available():
+        return "cuda"
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported (by torch.compile) before these tests could switch on its "
+                    "interpreter; run this file alone on a CPU machine", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+

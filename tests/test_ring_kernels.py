@@ -1,27 +1,15 @@
-"""The Triton ring kernels (ring_kernels.py) store and decode the same bytes as quant.py's torch forms.
-On a machine without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set here before the
-kernels are defined); without Triton (torch's CPU builds) the tests skip."""
-
-import importlib.util
-import os
-import sys
+"""The Triton ring kernels (ring_kernels.py) store and decode the same bytes as quant.py's torch forms
+(on the CPU in Triton's interpreter: helpers.triton_device)."""
 
 import pytest
 import torch
+from helpers import triton_device
 
 from deepflash.features import FeatureRing, FeatureStore
 from deepflash.quant import FORMATS
 
-CUDA = torch.cuda.is_available()
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("Triton is not installed (torch CPU builds lack it); the GPU chain runs these tests",
-                allow_module_level=True)
-if not CUDA:  # before Triton is first imported: its standard library is defined under the switch too
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton was imported (by torch.compile) before these tests could switch on its "
-                    "interpreter; run this file alone on a CPU machine", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-DEVICE = "cuda" if CUDA else "cpu"
+DEVICE = triton_device()
+CUDA = DEVICE == "cuda"
 
 
 def awkward_rows(n: int, width: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import UserError
 
 
 class TargetModel(nn.Module):
@@ -31,6 +32,20 @@ class TargetModel(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
         self.fused = True
+        return self
+
+    def use_kernels(self, kind: str) -> TargetModel:
+        """'torch' (default) or 'triton': attention layers that have a Triton form (rope_kernel.py) use it."""
+        if kind not in ("torch", "triton"):
+            raise ValueError(f"kernels must be torch or triton, got {kind!r}")
+        if kind == "triton":
+            from .rope_kernel import available
+
+            if not available():
+                raise UserError("kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kind
         return self
 
     def _apply(self, fn, recurse=True):

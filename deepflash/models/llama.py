@@ -29,6 +29,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
+        self.kernels = "torch"  # or "triton": TargetModel.use_kernels
 
     def fuse_projections(self) -> None:
         """q, k and v as one GEMM (layers.fuse_linears); done when the model is built."""
@@ -37,6 +38,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        if self.kernels == "triton":  # q/k norm, rope and the cache write as one kernel (rope_kernel.py)
+            from .rope_kernel import rope_and_write  # imports Triton: only where it is used
+
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            q = rope_and_write(F.linear(x, *self.qkv), cos, sin, positions, cache.k[layer], cache.v[layer],
+                               heads, kv_heads, *norms)
+            keys, values = cache.read(layer, kv_len)
+            return self.o_proj(attention(q, keys, values, mask).transpose(1, 2).reshape(b, t, -1))
         qk, v = F.linear(x, *self.qkv).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
         qk = qk.view(b, t, heads + kv_heads, dim)
         v = v.view(b, t, kv_heads, dim)

@@ -1,0 +1,90 @@
+"""One Triton kernel for what an attention layer does between its q/k/v projection and attention:
+optional per-head q/k RMSNorm (Qwen3), rotary embedding of q and k, and the cache write of k and v.
+
+The torch form (llama.Attention) runs these as 5-8 small kernels per layer: a decode step of the
+SmolLM2-135M-shaped target spent 263 of its 1412 device microseconds in the rope multiplies, the roll
+and the two cache index_copies (profile_step.py, BENCHMARKS.md). Here one program handles one head of
+one token: it loads the head's row of the fused projection output, normalises and rotates it in
+float32 (rounding once, where the torch form rounds after every operation), and stores q in the
+[B, H, T, D] layout attention reads without a copy, or k / v at their cache slot. Opt-in per model
+(TargetModel.use_kernels) until a GPU measurement says it pays; `TRITON_INTERPRET=1` runs it on the
+CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds do not bring Triton
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
+    """qkv [B, T, (H + 2 Hkv) * D] (the fused projection output), rope tables [T, rot] from Rotary,
+    positions [T], caches [B, Hkv, S, D]. Writes rotated k and v at slot = position; returns rotated
+    q [B, H, T, D]. q_norm / k_norm: per-head RMSNorm gains (both or neither)."""
+    b, t, width = qkv.shape
+    dim = width // (heads + 2 * kv_heads)
+    rot = cos.shape[-1]
+    if dim & (dim - 1) or rot % 2 or rot > dim:
+        raise ValueError(f"head dim {dim} must be a power of two and the rotary width {rot} even, at most it")
+    qkv = qkv.contiguous()
+    q = torch.empty((b, heads, t, dim), dtype=qkv.dtype, device=qkv.device)
+    norm = q_norm is not None
+    _rope_and_write[(b * t, heads + 2 * kv_heads)](
+        qkv, cos.contiguous(), signed_sin.contiguous(), positions, q, k_cache, v_cache,
+        q_norm if norm else qkv, k_norm if norm else qkv, t, k_cache.shape[2], eps,
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm)
+    return q
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_and_write(qkv, cos, sin, positions, q, k_cache, v_cache, q_gain, k_gain, T, S, eps,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, ROT: tl.constexpr,
+                        NORM: tl.constexpr):
+        row = tl.program_id(0)  # b * T + t
+        head = tl.program_id(1)  # q heads, then k heads, then v heads
+        b = row // T
+        t = row % T
+        cols = tl.arange(0, DIM)
+        src = qkv + (row * (HEADS + 2 * KV_HEADS) + head) * DIM
+        x = tl.load(src + cols).to(tl.float32)
+        if head >= HEADS + KV_HEADS:  # v: stored as it is
+            kv_head = head - HEADS - KV_HEADS
+            pos = tl.load(positions + t)
+            tl.store(v_cache + ((b * KV_HEADS + kv_head) * S + pos) * DIM + cols, x.to(v_cache.dtype.element_ty))
+        else:
+            # the partner of column i in rotate-half: i + rot/2 below rot/2, i - rot/2 up to rot
+            partner = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
+            partner = tl.where(cols < ROT, partner, cols)
+            xp = tl.load(src + partner).to(tl.float32)
+            if NORM:
+                is_q = head < HEADS
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
+                gain = tl.where(is_q, tl.load(q_gain + cols), tl.load(k_gain + cols)).to(tl.float32)
+                gain_p = tl.where(is_q, tl.load(q_gain + partner), tl.load(k_gain + partner)).to(tl.float32)
+                xp = xp * inv_rms * gain_p
+                x = x * inv_rms * gain
+            inside = cols < ROT
+            c = tl.load(cos + t * ROT + cols, mask=inside, other=1.0).to(tl.float32)
+            s = tl.load(sin + t * ROT + cols, mask=inside, other=0.0).to(tl.float32)
+            y = x * c + xp * s
+            if head < HEADS:
+                tl.store(q + ((b * HEADS + head) * T + t) * DIM + cols, y.to(q.dtype.element_ty))
+            else:
+                kv_head = head - HEADS
+                pos = tl.load(positions + t)
+                tl.store(k_cache + ((b * KV_HEADS + kv_head) * S + pos) * DIM + cols,
+                         y.to(k_cache.dtype.element_ty))

@@ -1,0 +1,32 @@
+"""The Triton rope-and-cache-write kernel (models/rope_kernel.py) computes what the torch form of the
+attention layer does (on the CPU in Triton's interpreter: helpers.triton_device)."""
+
+import pytest
+import torch
+from helpers import llama_config, triton_device
+
+from deepflash.models import random_model
+
+DEVICE = triton_device()
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_triton_attention_prep_matches_torch(qk_norm, partial):
+    """Prefill then decode steps with the kernel on and off: same logits and the same cache rows."""
+    cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
+                       num_hidden_layers=2)
+    assert cfg.qk_norm == qk_norm
+    models = [random_model(cfg, DEVICE, torch.float32, std=0.2) for _ in range(2)]
+    models[1].use_kernels("triton")
+    caches = [m.new_cache(2, 32) for m in models]
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    outs = [m(ids, torch.arange(12, device=DEVICE), c, 12)[0] for m, c in zip(models, caches)]
+    for pos in range(12, 15):
+        step = ids[:, pos - 12 : pos - 11]
+        positions = torch.tensor([pos], device=DEVICE)
+        outs += [m(step, positions, c, 16)[0] for m, c in zip(models, caches)]
+    for torch_out, triton_out in zip(outs[::2], outs[1::2]):
+        torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[1].k[:, :, :, :15], caches[0].k[:, :, :, :15], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].v[:, :, :, :15], caches[0].v[:, :, :, :15])
