@@ -13,7 +13,7 @@ from deepflash.train.datagen import build_dataset, generate_batch
 from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
 from deepflash.train.prompts import Task
 from deepflash.train.shards import read_all
-from deepflash.train.trainer import TrainConfig, Trainer, fold_feature_scale
+from deepflash.train.trainer import TrainConfig, Trainer, block_loss, fold_feature_scale
 from helpers import tiny_target, tiny_tokenizer
 
 
@@ -41,6 +41,14 @@ def test_training_mask_equals_naive_rule(causal, window):
             want = naive_allowed(anchors.tolist(), seq_len, block, causal, window, q, kv)
             assert bool(mask[q, kv]) == want, (q, kv)
             assert bool(mod(0, 0, torch.tensor(q), torch.tensor(kv))) == want, (q, kv)
+    # one row of anchors per sequence: each sequence's own mask
+    batch = torch.stack([anchors, torch.tensor([1, 2, 6, 11])])
+    batched, mod = training_mask(batch, seq_len, block, causal, window), training_mask_mod(batch, seq_len, block,
+                                                                                          causal, window)
+    for b in range(2):
+        assert torch.equal(batched[b], training_mask(batch[b], seq_len, block, causal, window))
+        assert all(bool(mod(torch.tensor(b), 0, torch.tensor(q), torch.tensor(kv))) == bool(batched[b, q, kv])
+                   for q in range(0, batched.shape[1], 3) for kv in range(batched.shape[2]))
 
 
 def test_decay_weights_start_at_one():
@@ -190,3 +198,29 @@ def test_padding_shapes_leaves_the_loss_unchanged(dataset, tmp_path):
     torch.testing.assert_close(padded.feature_scale, plain.feature_scale)
     a, b = plain.evaluate(), padded.evaluate()
     assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-4 and a["eval_acc"] == b["eval_acc"]
+
+
+def test_a_batch_trains_like_its_sequences_one_by_one(dataset, tmp_path):
+    """block_loss over a padded batch (one forward) gives each sequence's loss, weights, hits and
+    gradients as if it ran alone: padding rows, padded anchors and other sequences never leak in."""
+    target, tok, data, _ = dataset
+    # anchors above the longest response: every response token is an anchor, so no draw differs
+    trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=2, taps=2, block_size=4, steps=1,
+                                  anchors=64, attention="sdpa", mask_token_id=95, pad_to=0), target, tok,
+                      torch.device("cpu"))
+    seqs = sorted(trainer.train_seqs, key=len)[:: max(1, len(trainer.train_seqs) // 3)][:3]
+    assert len({len(s) for s in seqs}) > 1
+
+    def run(batch):
+        trainer.drafter.zero_grad()
+        tokens, lengths, loss_mask, anchors, real = trainer._batch_inputs(batch)
+        feats = trainer._raw_features(tokens) * trainer.feature_scale
+        out = block_loss(trainer.drafter, target, tokens, lengths, feats, loss_mask, anchors, real, trainer.weights,
+                         "sdpa")
+        out[0].backward()
+        return [*out, *(p.grad.clone() for p in trainer.drafter.parameters())]
+
+    together = run(seqs)
+    alone = [sum(parts) for parts in zip(*(run([s]) for s in seqs))]
+    for got, want in zip(together, alone):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-5)

@@ -18,7 +18,7 @@ def flex_attend(q, k, v, block_mask):
     return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
-def block_mask_for(mask_mod, q_len: int, kv_len: int, device):
+def block_mask_for(mask_mod, q_len: int, kv_len: int, device, batch: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)

@@ -23,30 +23,34 @@ def query_layout(anchors: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 
 
 def training_mask(anchors: torch.Tensor, seq_len: int, block: int, causal: bool, window: int | None) -> torch.Tensor:
-    """Boolean [A*B, seq_len + A*B]: True where a query may attend."""
-    block_id, offset, q_pos = query_layout(anchors, block)
+    """Boolean [..., A*B, seq_len + A*B] for anchors [..., A] (one row of anchors per sequence): True
+    where a query may attend."""
+    block_id, offset, _ = query_layout(anchors.new_zeros(anchors.shape[-1]), block)
+    anchor = anchors[..., block_id, None]  # [..., A*B, 1]
     ctx_pos = torch.arange(seq_len, device=anchors.device)
-    ctx = ctx_pos[None, :] < anchors[block_id][:, None]
+    ctx = ctx_pos < anchor
     if window is not None:
-        ctx &= q_pos[:, None] - ctx_pos[None, :] < window
+        ctx &= anchor + offset[:, None] - ctx_pos < window
     same = block_id[:, None] == block_id[None, :]
     diff = offset[:, None] - offset[None, :]
     own = same & (diff >= 0) if causal else same
     if window is not None:
         own &= diff.abs() < window
-    return torch.cat([ctx, own], dim=1)
+    return torch.cat([ctx, own.expand(*ctx.shape[:-1], own.shape[-1])], dim=-1)
 
 
 def training_mask_mod(anchors: torch.Tensor, seq_len: int, block: int, causal: bool, window: int | None):
-    """The same rule as a flex_attention mask_mod(b, h, q, kv)."""
-    block_id, offset, q_pos = query_layout(anchors, block)
+    """The same rule as a flex_attention mask_mod(b, h, q, kv), for anchors [A] or [batch, A]."""
+    rows = anchors.reshape(-1, anchors.shape[-1])
+    block_id, offset, _ = query_layout(rows[0], block)
     big = 1 << 30
     win = window if window is not None else big
 
     def mask_mod(b, h, q, kv):
         in_ctx = kv < seq_len
         kb = (kv - seq_len).clamp(min=0)
-        ctx_ok = (kv < anchors[block_id[q]]) & (q_pos[q] - kv < win)
+        anchor = rows[b, block_id[q]]
+        ctx_ok = (kv < anchor) & (anchor + offset[q] - kv < win)
         d = offset[q] - offset[kb]
         own_ok = (block_id[q] == block_id[kb]) & (d.abs() < win)
         if causal:

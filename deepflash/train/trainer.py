@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..config import DrafterConfig, default_target_layer_ids
 from ..drafter import DFlashDrafter, load_drafter, save_drafter, validate_pair
@@ -159,33 +160,43 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
     return candidates
 
 
-def block_loss(drafter: DFlashDrafter, target, tokens, feats, loss_mask, anchors, weights, attention: str,
-               real_anchors: int | None = None):
-    """Decay-weighted CE of one sequence's packed anchor blocks; returns (loss, weight sum, per-k hits, per-k counts).
-    `feats` may have padding rows past the sequence (never visible: context is strictly before an anchor),
-    and anchors past `real_anchors` are padding (no loss)."""
+def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask, anchors, real, weights,
+               attention: str):
+    """Decay-weighted CE of a batch of sequences' packed anchor blocks, in one forward; returns (loss,
+    weight sum, per-k hits, per-k counts). tokens / loss_mask [b, L] and feats [b, L, F] are padded
+    past each sequence's length (padding is never visible: context is strictly before an anchor);
+    anchors [b, A] are each sequence's anchors, of which the first `real` [b] count (the rest pad the
+    rows to one length and carry no loss)."""
     cfg = drafter.cfg
-    size, seq_len, ctx_len = cfg.block_size, tokens.shape[0], feats.shape[0]
+    size, (b, ctx_len) = cfg.block_size, feats.shape[:2]
     device = tokens.device
-    ctx = drafter.fuse(feats[None])
+    ctx = drafter.fuse(feats)
     ctx_kv = drafter.context_kv(ctx, torch.arange(ctx_len, device=device))
-    block_id, offset, q_pos = query_layout(anchors, size)
-    block = torch.where(offset == 0, tokens[anchors[block_id]], cfg.mask_token_id)
-    x = drafter.block_embeddings(target.model.embed_tokens, block[None])
+    block_id, offset, _ = query_layout(anchors[0], size)
+    q_pos = anchors[:, block_id] + offset  # [b, A*B]
+    block = torch.where(offset == 0, tokens.gather(1, anchors)[:, block_id], cfg.mask_token_id)
+    x = drafter.block_embeddings(target.model.embed_tokens, block)
     masks = _layer_masks(cfg, anchors, ctx_len, attention)
-    hidden = drafter(x, q_pos, ctx_kv, masks)[0].view(anchors.shape[0], size, -1)[:, 1:]
-    label_pos = anchors[:, None] + torch.arange(1, size, device=device)
-    valid = label_pos < seq_len
-    label_pos = label_pos.clamp(max=seq_len - 1)
-    valid &= loss_mask[label_pos]
-    if real_anchors is not None:
-        valid &= (torch.arange(anchors.shape[0], device=device) < real_anchors)[:, None]
-    labels = tokens[label_pos]
-    logits = drafter.logits(hidden, target.lm_head)
+    hidden = drafter(x, q_pos, ctx_kv, masks).view(b, anchors.shape[1], size, -1)[:, :, 1:]
+    label_pos = anchors[:, :, None] + torch.arange(1, size, device=device)  # [b, A, B-1]
+    valid = label_pos < lengths[:, None, None]
+    label_pos = label_pos.clamp(max=ctx_len - 1).flatten(1)
+    valid &= loss_mask.gather(1, label_pos).view_as(valid)
+    valid &= (torch.arange(anchors.shape[1], device=device) < real[:, None])[:, :, None]
+    labels = tokens.gather(1, label_pos).view_as(valid)
+    w = weights * valid
+    # the LM head per sequence, recomputed in the backward pass: the logits of a whole batch
+    # (b x A x (B-1) x vocab in float32) would take tens of GB
+    losses, hits = zip(*(checkpoint(_head_loss, drafter, target.lm_head, hidden[i], labels[i], w[i], valid[i],
+                                    use_reentrant=False) for i in range(b)))
+    return sum(losses), w.sum(), sum(hits), valid.sum((0, 1))
+
+
+def _head_loss(drafter: DFlashDrafter, lm_head, hidden, labels, w, valid):
+    """One sequence's weighted CE sum and per-k hits from its block hidden states [A, B-1, H]."""
+    logits = drafter.logits(hidden, lm_head)
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    w = weights[None, :] * valid
-    hits = ((logits.argmax(-1) == labels) & valid).sum(0)
-    return (ce * w).sum(), w.sum(), hits, valid.sum(0)
+    return (ce * w).sum(), ((logits.argmax(-1) == labels) & valid).sum(0)
 
 
 def output_norm_gain(target) -> torch.Tensor:
@@ -211,11 +222,11 @@ def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str) -> l
             if attention == "flex":
                 from .flex import block_mask_for
 
-                q = anchors.shape[0] * cfg.block_size
+                q = anchors.shape[1] * cfg.block_size
                 made[key] = block_mask_for(training_mask_mod(anchors, seq_len, cfg.block_size, *key), q, seq_len + q,
-                                           anchors.device)
+                                           anchors.device, batch=anchors.shape[0])
             else:
-                made[key] = training_mask(anchors, seq_len, cfg.block_size, *key)
+                made[key] = training_mask(anchors, seq_len, cfg.block_size, *key)[:, None]  # [b, 1, Q, K]
         out.append(made[key])
     return out
 
@@ -283,19 +294,12 @@ class Trainer:
         return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
     # --- one step -----------------------------------------------------------------------------------
-    def _features(self, batch: list[Sequence]) -> torch.Tensor:
-        """Preconditioned tap-layer features (module doc) of right-padded sequences."""
-        return self._raw_features(batch) * self.feature_scale
-
-    def _raw_features(self, batch: list[Sequence]) -> torch.Tensor:
-        """Tap-layer features of right-padded sequences (padding after a sequence cannot affect it)."""
-        longest = self._padded(max(len(s) for s in batch))
-        tokens = torch.zeros(len(batch), longest, dtype=torch.long, device=self.device)
-        for i, s in enumerate(batch):
-            tokens[i, : len(s)] = s.tokens.to(self.device)
+    def _raw_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tap-layer features of right-padded sequences [b, L] (padding after a sequence cannot affect it)."""
+        b, length = tokens.shape
         with torch.no_grad(), self._autocast():
-            cache = self.target.new_cache(len(batch), longest)
-            _, feats = self.target(tokens, torch.arange(longest, device=self.device), cache, longest,
+            cache = self.target.new_cache(b, length)
+            _, feats = self.target(tokens, torch.arange(length, device=self.device), cache, length,
                                    capture=self.cfg.target_layer_ids, logits="none")
         return feats
 
@@ -304,7 +308,7 @@ class Trainer:
         row, whose activations are ~100x the others')."""
         squares, count = 0.0, 0
         for seq in sample:
-            feats = self._raw_features([seq])[0, 1 : len(seq)].float()
+            feats = self._raw_features(seq.tokens[None].to(self.device))[0, 1:].float()
             squares = squares + feats.square().sum(0)
             count += feats.shape[0]
         return (squares / max(count, 1)).sqrt().clamp(min=1e-3).reciprocal()
@@ -348,36 +352,42 @@ class Trainer:
         return sdpa_kernel(backends)
 
     def _batch_loss(self, batch: list[Sequence], attention: str | None, train: bool):
-        # every host-to-device copy first: a copy from pageable memory waits for the GPU's queue, and one
-        # per sequence between the GPU work serialised host and GPU (profile_train, fourth session)
-        inputs = [self._sequence_inputs(seq) for seq in batch]
-        feats = self._features(batch)
-        total = torch.zeros((), device=self.device)
-        weight = torch.zeros((), device=self.device)
-        hits = torch.zeros(self.cfg.block_size - 1, device=self.device)
-        counts = torch.zeros_like(hits)
-        for i, (seq, (tokens, loss_mask, anchors, real)) in enumerate(zip(batch, inputs)):
-            if real == 0:
-                continue
-            with self._autocast(), torch.set_grad_enabled(train):
-                loss, w, h, c = block_loss(self.drafter, self.target, tokens, feats[i, : self._padded(len(seq))],
-                                           loss_mask, anchors, self.weights, attention or self.attention, real)
-            if train:
-                (loss / len(batch)).backward()  # free each sequence's graph before the next
-            total += loss.detach()
-            weight += w.detach()
-            hits += h
-            counts += c
-        return total / weight.clamp(min=1), hits / counts.clamp(min=1)
+        tokens, lengths, loss_mask, anchors, real = self._batch_inputs(batch)
+        if anchors is None:  # no response token to learn from
+            zero = torch.zeros(self.cfg.block_size - 1, device=self.device)
+            return torch.zeros((), device=self.device), zero
+        feats = self._raw_features(tokens) * self.feature_scale
+        with self._autocast(), torch.set_grad_enabled(train):
+            loss, weight, hits, counts = block_loss(self.drafter, self.target, tokens, lengths, feats, loss_mask,
+                                                    anchors, real, self.weights, attention or self.attention)
+        if train:
+            (loss / len(batch)).backward()
+        return loss.detach() / weight.clamp(min=1), hits / counts.clamp(min=1)
 
-    def _sequence_inputs(self, seq: Sequence):
-        """A sequence's tokens, loss mask and anchors on the device, and its real anchor count. With
-        --pad-to the anchors are padded to a fixed count by repeating the last one (no loss)."""
-        anchors = sample_anchors(seq, self.tc.anchors, self.generator)
-        real = anchors.numel()
-        if self.tc.pad_to and real:
-            anchors = torch.cat([anchors, anchors[-1:].expand(self.tc.anchors - real)])
-        return seq.tokens.to(self.device), seq.loss_mask.to(self.device), anchors.to(self.device), real
+    def _batch_inputs(self, batch: list[Sequence]):
+        """The batch on the device, right-padded to one length (--pad-to): tokens, lengths, loss masks,
+        anchors [b, A] (None if no sequence has a response token) and each row's real anchor count. A is
+        --anchors with --pad-to, else the most any sequence has; shorter rows repeat their last anchor.
+        All host-to-device copies happen here, before the step's GPU work: a copy from pageable memory
+        waits for the GPU's queue, and one per sequence between the GPU work serialised host and GPU."""
+        drawn = [sample_anchors(seq, self.tc.anchors, self.generator) for seq in batch]
+        most = max(a.numel() for a in drawn)
+        count = self.tc.anchors if self.tc.pad_to else most
+        anchors = torch.zeros(len(batch), count, dtype=torch.long)
+        for row, a in zip(anchors, drawn):
+            if a.numel():
+                row.copy_(torch.cat([a, a[-1:].expand(count - a.numel())]))
+        longest = self._padded(max(len(s) for s in batch))
+        tokens = torch.zeros(len(batch), longest, dtype=torch.long)
+        loss_mask = torch.zeros(len(batch), longest, dtype=torch.bool)
+        for i, s in enumerate(batch):
+            tokens[i, : len(s)] = s.tokens
+            loss_mask[i, : len(s)] = s.loss_mask
+        lengths = torch.tensor([len(s) for s in batch])
+        real = torch.tensor([a.numel() for a in drawn])
+        tokens, lengths, loss_mask, anchors, real = (t.to(self.device) for t in (tokens, lengths, loss_mask, anchors,
+                                                                                 real))
+        return tokens, lengths, loss_mask, anchors if most else None, real
 
     def step(self, batch: list[Sequence]) -> dict:
         began = time.perf_counter()
