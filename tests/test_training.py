@@ -224,3 +224,20 @@ def test_a_batch_trains_like_its_sequences_one_by_one(dataset, tmp_path):
     alone = [sum(parts) for parts in zip(*(run([s]) for s in seqs))]
     for got, want in zip(together, alone):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypatch):
+    """Batches whose masks would exceed MASK_ELEMENTS run in parts: same loss and accuracy."""
+    from deepflash.train import trainer as trainer_module
+
+    target, tok, data, _ = dataset
+    trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=1, taps=2, block_size=4, steps=1,
+                                  anchors=64, attention="sdpa", mask_token_id=95, pad_to=0), target, tok,
+                      torch.device("cpu"))
+    batch = trainer.train_seqs[:5]
+    whole = trainer.batch_loss(batch, train=False)
+    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (64 * 4 + max(map(len, batch))) * 2)
+    assert len(trainer._parts(batch)) >= 3
+    split = trainer.batch_loss(batch, train=False)
+    torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split[1], whole[1])

@@ -152,6 +152,9 @@ def drafter_config_for(target_cfg, tc: TrainConfig, mask_token: int, trained_ctx
     })
 
 
+MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as booleans
+
+
 def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
     """Up to `count` sorted anchor positions on response tokens that have at least one label after them."""
     candidates = torch.nonzero(seq.loss_mask[:-1]).flatten()
@@ -352,17 +355,34 @@ class Trainer:
         return sdpa_kernel(backends)
 
     def _batch_loss(self, batch: list[Sequence], attention: str | None, train: bool):
-        tokens, lengths, loss_mask, anchors, real = self._batch_inputs(batch)
-        if anchors is None:  # no response token to learn from
-            zero = torch.zeros(self.cfg.block_size - 1, device=self.device)
-            return torch.zeros((), device=self.device), zero
-        feats = self._raw_features(tokens) * self.feature_scale
-        with self._autocast(), torch.set_grad_enabled(train):
-            loss, weight, hits, counts = block_loss(self.drafter, self.target, tokens, lengths, feats, loss_mask,
-                                                    anchors, real, self.weights, attention or self.attention)
-        if train:
-            (loss / len(batch)).backward()
-        return loss.detach() / weight.clamp(min=1), hits / counts.clamp(min=1)
+        # every host-to-device copy first (_batch_inputs), then one forward (and backward) per part
+        parts = [self._batch_inputs(part) for part in self._parts(batch)]
+        total = weight = torch.zeros((), device=self.device)
+        hits = counts = torch.zeros(self.cfg.block_size - 1, device=self.device)
+        for tokens, lengths, loss_mask, anchors, real in parts:
+            if anchors is None:  # no response token to learn from
+                continue
+            feats = self._raw_features(tokens) * self.feature_scale
+            with self._autocast(), torch.set_grad_enabled(train):
+                loss, w, h, c = block_loss(self.drafter, self.target, tokens, lengths, feats, loss_mask, anchors,
+                                           real, self.weights, attention or self.attention)
+            if train:
+                (loss / len(batch)).backward()  # frees this part's graph before the next
+            total, weight, hits, counts = total + loss.detach(), weight + w, hits + h, counts + c
+        return total / weight.clamp(min=1), hits / counts.clamp(min=1)
+
+    def _parts(self, batch: list[Sequence]) -> list[list[Sequence]]:
+        """The batch in parts whose attention masks stay within MASK_ELEMENTS (rows x queries x keys):
+        the mask is the largest tensor of a training forward (the additive copy SDPA reads is 2 bytes
+        per element per query head group, and each layer keeps its own for the backward pass)."""
+        queries = self.tc.anchors * self.cfg.block_size
+        parts: list[list[Sequence]] = [[]]
+        for seq in sorted(batch, key=len):
+            keys = self._padded(len(seq)) + queries
+            if parts[-1] and (len(parts[-1]) + 1) * queries * keys > MASK_ELEMENTS:
+                parts.append([])
+            parts[-1].append(seq)
+        return parts
 
     def _batch_inputs(self, batch: list[Sequence]):
         """The batch on the device, right-padded to one length (--pad-to): tokens, lengths, loss masks,
