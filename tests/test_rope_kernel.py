@@ -1,5 +1,5 @@
-"""The Triton rope-and-cache-write kernel (models/rope_kernel.py) computes what the torch form of the
-attention layer does (on the CPU in Triton's interpreter: helpers.triton_device)."""
+"""The Triton kernels of an attention layer (models/rope_kernel.py, models/decode_kernel.py) compute what
+its torch form does (on the CPU in Triton's interpreter: helpers.triton_device)."""
 
 import pytest
 import torch
@@ -12,8 +12,8 @@ DEVICE = triton_device()
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_triton_attention_prep_matches_torch(qk_norm, partial):
-    """Prefill then decode steps with the kernel on and off: same logits and the same cache rows."""
+def test_triton_kernels_match_torch_in_the_model(qk_norm, partial):
+    """Prefill then decode steps with the kernels on and off: same logits and the same cache rows."""
     cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
                        num_hidden_layers=2)
     assert cfg.qk_norm == qk_norm
@@ -30,3 +30,21 @@ def test_triton_attention_prep_matches_torch(qk_norm, partial):
         torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches[1].k[:, :, :, :15], caches[0].k[:, :, :, :15], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].v[:, :, :, :15], caches[0].v[:, :, :, :15])
+
+
+@pytest.mark.parametrize("groups,dim", [(3, 64), (4, 128), (1, 16)])
+@pytest.mark.parametrize("position,kv_len", [(0, 8), (70, 80), (300, 512), (599, 600)])
+def test_decode_attention_matches_sdpa(groups, dim, position, kv_len):
+    """One query per head over keys 0..position of a cache span kv_len (the rest of a CUDA-graph bucket
+    is masked), against SDPA."""
+    from deepflash.models.decode_kernel import decode_attention
+
+    gen = torch.Generator().manual_seed(position)
+    kv_heads, slots = 2, 640
+    q = torch.randn(1, kv_heads * groups, 1, dim, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE) for _ in range(2))
+    got = decode_attention(q, k, v, torch.tensor([position], device=DEVICE), kv_len)
+    keys = k[:, :, : position + 1].repeat_interleave(groups, dim=1)
+    values = v[:, :, : position + 1].repeat_interleave(groups, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

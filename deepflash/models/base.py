@@ -35,7 +35,8 @@ class TargetModel(nn.Module):
         return self
 
     def use_kernels(self, kind: str) -> TargetModel:
-        """'torch' (default) or 'triton': attention layers that have a Triton form (rope_kernel.py) use it."""
+        """'torch' (default) or 'triton': attention layers that have a Triton form use it (rope_kernel.py
+        for q/k norm, rope and the cache write; decode_kernel.py for one-token steps' attention)."""
         if kind not in ("torch", "triton"):
             raise ValueError(f"kernels must be torch or triton, got {kind!r}")
         if kind == "triton":

@@ -44,8 +44,14 @@ class Attention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
             q = rope_and_write(F.linear(x, *self.qkv), cos, sin, positions, cache.k[layer], cache.v[layer],
                                heads, kv_heads, *norms)
-            keys, values = cache.read(layer, kv_len)
-            return self.o_proj(attention(q, keys, values, mask).transpose(1, 2).reshape(b, t, -1))
+            if t == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a decode step, no key mask
+                from .decode_kernel import decode_attention  # (key masks make 4-D masks: kv.causal_mask)
+
+                out = decode_attention(q, cache.k[layer], cache.v[layer], positions, kv_len)
+            else:
+                keys, values = cache.read(layer, kv_len)
+                out = attention(q, keys, values, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         qk, v = F.linear(x, *self.qkv).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
         qk = qk.view(b, t, heads + kv_heads, dim)
         v = v.view(b, t, kv_heads, dim)

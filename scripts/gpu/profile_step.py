@@ -66,20 +66,21 @@ def main():
         other.stop_ids = eager.stop_ids
         prof["graphs_tok_per_s_without_cudnn_sdpa"] = decode_rate(other, prompt, 256)
         torch.backends.cuda.enable_cudnn_sdp(True)
-        # q/k norm, rope and the cache write as one Triton kernel (models/rope_kernel.py) instead of 5-8
-        prof["graphs_tok_per_s_triton_rope"] = None  # without Triton (a CPU dry run): not measured
+        # q/k norm, rope and the cache write as one Triton kernel instead of 5-8 (models/rope_kernel.py),
+        # and the decode step's attention in Triton instead of cuDNN (models/decode_kernel.py)
+        prof["graphs_tok_per_s_triton_kernels"] = None  # without Triton (a CPU dry run): not measured
         if rope_kernel.available():
             eager.target.use_kernels("triton")
             fused = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx)
             fused.stop_ids = eager.stop_ids
-            prof["graphs_tok_per_s_triton_rope"] = decode_rate(fused, prompt, 256)
+            prof["graphs_tok_per_s_triton_kernels"] = decode_rate(fused, prompt, 256)
             eager.target.use_kernels("torch")
             del fused
         prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
         record[name] = prof
         print(f"== {name}: {prof['kernels_per_step']:.0f} kernels/step, {prof['device_us_per_step']:.0f} us busy/step, "
               f"graphs {prof['graphs_tok_per_s']:.0f} tok/s ({prof['graphs_tok_per_s_without_cudnn_sdpa']:.0f} without "
-              f"cuDNN attention, {prof['graphs_tok_per_s_triton_rope']} with the Triton rope kernel), "
+              f"cuDNN attention, {prof['graphs_tok_per_s_triton_kernels']} with the Triton kernels), "
               f"eager {prof['eager_tok_per_s']:.0f} tok/s")
         for row in prof["top"]:
             print(f"  {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['kernel']}")
