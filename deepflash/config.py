@@ -312,9 +312,11 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode steps (fewer, fused kernels; minutes of compiling)
     reserve_mb: int = 1024  # device memory --max-ctx auto leaves free
     ring_kernels: str = "auto"  # feature-ring encode/decode: auto, torch, compile, triton (features.py)
+    target_kernels: str = "torch"  # or triton: the target's attention kernels (TargetModel.use_kernels)
 
     def validated(self) -> EngineConfig:
         from .features import RING_KERNELS
+        from .models.base import TARGET_KERNELS
         from .quant import FORMATS
 
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -331,6 +333,8 @@ class EngineConfig:
             raise UserError(f"--max-ctx must be at least 2, got {self.max_ctx}")
         if self.ring_kernels not in RING_KERNELS:
             raise UserError(f"--ring-kernels must be one of {', '.join(RING_KERNELS)}, got {self.ring_kernels!r}")
+        if self.target_kernels not in TARGET_KERNELS:
+            raise UserError(f"--target-kernels must be one of {', '.join(TARGET_KERNELS)}, got {self.target_kernels!r}")
         if self.trained_ctx is not None and self.trained_ctx < 1:
             raise UserError(f"--trained-ctx must be >= 1, got {self.trained_ctx}")
         return self

@@ -105,7 +105,9 @@ class Engine:
                  max_ctx: int | None = None, block_size: int | None = None, feature_dtype: str = "f32",
                  feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
                  prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False,
-                 ring_kernels: str = "auto"):
+                 ring_kernels: str = "auto", target_kernels: str = "torch"):
+        target.use_kernels(target_kernels)  # checks the choice; set again per request (generate)
+        self.target_kernels = target_kernels
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         cfg = target.cfg
         self.max_ctx = min(max_ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -150,6 +152,8 @@ class Engine:
         spec = SpecStats(self.block_size) if self.drafter is not None else None
         timer = PhaseTimer(self.device)
         self.controller.new_request()
+        # engines may share a target (the benchmarks): each request runs with this engine's kernels
+        self.target.use_kernels(self.target_kernels)
         t0 = time.perf_counter()
         self._prefill(seq)
         seq.generated = 1

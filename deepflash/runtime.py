@@ -15,6 +15,7 @@ from .errors import UserError
 from .features import RING_KERNELS
 from .memory import MemoryPlan, auto_max_ctx, free_device_bytes, plan_memory
 from .models import TargetModel, load_target
+from .models.base import TARGET_KERNELS
 from .quant import FORMATS
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import EMBEDDED_NAME
@@ -83,7 +84,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     engine = Engine(target, tokenizer, drafter, max_ctx=max_ctx, block_size=cfg.block_size,
                     feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
                     trained_ctx=cfg.trained_ctx, spec=cfg.spec, compile=cfg.compile,
-                    ring_kernels=cfg.ring_kernels)
+                    ring_kernels=cfg.ring_kernels, target_kernels=cfg.target_kernels)
     plan = plan_memory(target, drafter, max_ctx, **plan_args)
     name = cfg.model or EMBEDDED_NAME
     return Runtime(engine, tokenizer, target, drafter, name, str(draft_path) if draft_path else None, plan)
@@ -127,6 +128,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true", help="torch.compile the decode steps (slow first call)")
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
                    help="feature-ring kernels (auto: triton on CUDA, else torch; compiled with --compile)")
+    g.add_argument("--target-kernels", default="torch", choices=list(TARGET_KERNELS),
+                   help="the target's attention kernels: triton fuses q/k norm, rope and the cache write and "
+                        "runs decode attention in Triton (llama-family targets; not yet measured to pay)")
 
 
 def _max_ctx(value: str) -> int | str:
@@ -143,4 +147,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=args.feat_ring_cap,
                         trained_ctx=args.trained_ctx, spec=args.spec, compile=args.compile,
-                        ring_kernels=args.ring_kernels)
+                        ring_kernels=args.ring_kernels, target_kernels=args.target_kernels)

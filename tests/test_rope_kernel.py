@@ -48,3 +48,23 @@ def test_decode_attention_matches_sdpa(groups, dim, position, kv_len):
     values = v[:, :, : position + 1].repeat_interleave(groups, dim=1)
     want = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract():
+    """Greedy speculative == greedy plain with the target on its Triton kernels (on the GPU also under
+    CUDA graphs); the plain reference runs on the torch kernels of the same shared target."""
+    from helpers import drafter_config, tiny_drafter, tiny_tokenizer
+
+    from deepflash.engine import Engine
+    from deepflash.models import materialize
+    from deepflash.sampling import SamplingParams
+
+    target = random_model(llama_config(), DEVICE, torch.float32, std=0.2)
+    drafter = materialize(tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).to(DEVICE), DEVICE)
+    tokenizer = tiny_tokenizer()
+    ids = torch.randint(5, 90, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_new_tokens=24)
+    spec = Engine(target, tokenizer, drafter, spec="on", target_kernels="triton").complete(ids, params)
+    plain = Engine(target, tokenizer).complete(ids, params)
+    assert target.model.layers[0].self_attn.kernels == "torch"  # the last request's engine set it
+    assert spec.token_ids == plain.token_ids

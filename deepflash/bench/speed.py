@@ -88,10 +88,11 @@ def random_engine(shape: dict, device: torch.device | str, **engine_args) -> Eng
     return engine
 
 
-def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, max_new: int = 128) -> dict:
+def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, max_new: int = 128,
+                 kernels: str = "torch") -> dict:
     """Plain decode of a random-weight Qwen3-8B-shaped bf16 model; MBU = bytes read per step x tok/s /
     copy bandwidth (bytes read: weights a decode step touches plus the KV span attended)."""
-    engine = random_engine(QWEN3_8B, device)
+    engine = random_engine(QWEN3_8B, device, target_kernels=kernels)
     target = engine.target
     prompt = torch.randint(2, target.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     stats = run_engine(engine, [prompt] * 3, max_new, SamplingParams(max_new_tokens=max_new))
@@ -107,11 +108,14 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device)
     if args.part == "mbu":
-        result = qwen3_8b_mbu(device, bandwidth)
-        table("Qwen3-8B-shaped random bf16 target, plain decode", ["tok/s", "bytes/step", "MBU"],
-              [[result["decode_tok_per_s"], result["bytes_per_step"], result["mbu"]]])
+        results = {"qwen3-8b-shaped plain decode": qwen3_8b_mbu(device, bandwidth)}
+        if device.type == "cuda":
+            results["qwen3-8b-shaped plain decode, Triton attention kernels"] = qwen3_8b_mbu(device, bandwidth,
+                                                                                           kernels="triton")
+        table("Qwen3-8B-shaped random bf16 target, plain decode", ["system", "tok/s", "bytes/step", "MBU"],
+              [[name, r["decode_tok_per_s"], r["bytes_per_step"], r["mbu"]] for name, r in results.items()])
         return finish({"bench": "speed", "part": "mbu", **environment(device), "copy_bandwidth_gb_s": bandwidth,
-                       "results": {"qwen3-8b-shaped plain decode": result}}, args.out)
+                       "results": results}, args.out)
     rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
     if rt.drafter is None:
         raise UserError("bench speed needs a drafter (the embedded model ships one; else pass --draft)")
@@ -126,6 +130,10 @@ def run(args) -> dict:
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
             target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
+        "deepflash plain, Triton attention kernels": lambda: Engine(target, tok, max_ctx=ctx,
+                                                                    target_kernels="triton"),
+        "deepflash dflash (spec auto), Triton attention kernels": lambda: Engine(
+            target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="triton"),
         "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),
         "deepflash dflash compiled": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on", compile=True),
     }
@@ -135,7 +143,8 @@ def run(args) -> dict:
         "transformers prompt lookup (10)": {"prompt_lookup_num_tokens": 10},
     }
     wanted = set(args.systems.split(",")) if args.systems else \
-        {name for name in [*engines, *transformers_runs] if "compiled" not in name}
+        {name for name in [*engines, *transformers_runs]
+         if "compiled" not in name and ("Triton" not in name or device.type == "cuda")}
     unknown = wanted - set(engines) - set(transformers_runs)
     if unknown:
         raise UserError(f"--systems: unknown {sorted(unknown)}; choose from {[*engines, *transformers_runs]}")

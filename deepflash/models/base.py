@@ -9,6 +9,9 @@ from ..config import ModelConfig
 from ..errors import UserError
 
 
+TARGET_KERNELS = ("torch", "triton")  # TargetModel.use_kernels
+
+
 class TargetModel(nn.Module):
     """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
 
@@ -37,16 +40,18 @@ class TargetModel(nn.Module):
     def use_kernels(self, kind: str) -> TargetModel:
         """'torch' (default) or 'triton': attention layers that have a Triton form use it (rope_kernel.py
         for q/k norm, rope and the cache write; decode_kernel.py for one-token steps' attention)."""
-        if kind not in ("torch", "triton"):
-            raise ValueError(f"kernels must be torch or triton, got {kind!r}")
+        if kind not in TARGET_KERNELS:
+            raise UserError(f"target kernels must be one of {', '.join(TARGET_KERNELS)}, got {kind!r}")
+        layers = [module for module in self.modules() if hasattr(module, "kernels")]
         if kind == "triton":
             from .rope_kernel import available
 
             if not available():
-                raise UserError("kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
-        for module in self.modules():
-            if hasattr(module, "kernels"):
-                module.kernels = kind
+                raise UserError("target kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
+            if not layers:
+                raise UserError(f"{type(self).__name__} has no Triton attention kernels; use target kernels 'torch'")
+        for module in layers:
+            module.kernels = kind
         return self
 
     def _apply(self, fn, recurse=True):

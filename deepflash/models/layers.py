@@ -249,7 +249,8 @@ def forward_mask(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | 
     return fold_mask(causal_mask(positions, kv_len, key_mask), groups, dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, folded_mask: torch.Tensor | str | None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              folded_mask: torch.Tensor | str | None) -> torch.Tensor:
     """SDPA for grouped-query attention with an explicit mask (from fold_mask), or causal (CAUSAL).
 
     SDPA's fused kernels reject enable_gqa together with a mask and fall back to the math kernel

@@ -70,11 +70,9 @@ def main():
         # and the decode step's attention in Triton instead of cuDNN (models/decode_kernel.py)
         prof["graphs_tok_per_s_triton_kernels"] = None  # without Triton (a CPU dry run): not measured
         if rope_kernel.available():
-            eager.target.use_kernels("triton")
-            fused = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx)
+            fused = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="triton")
             fused.stop_ids = eager.stop_ids
             prof["graphs_tok_per_s_triton_kernels"] = decode_rate(fused, prompt, 256)
-            eager.target.use_kernels("torch")
             del fused
         prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
         record[name] = prof
