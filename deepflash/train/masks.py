@@ -7,6 +7,7 @@ Block a (anchor position p_a) query k sits at position p_a + k. It may see:
   - its own block's tokens only (blocks never see each other): all of them in full-attention layers,
     k' <= k in causal (sliding) layers, and |k - k'| < window for sliding layers.
 The same rule is given as an explicit boolean mask (SDPA, CPU) and as a flex_attention mask_mod (CUDA).
+A batch of sequences gives one row of anchors per sequence, and the masks gain a batch dimension.
 """
 
 from __future__ import annotations
