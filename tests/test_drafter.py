@@ -172,3 +172,14 @@ def test_block_size_flag_is_checked():
 def test_other_drafter_architectures_are_refused():
     with pytest.raises(UserError, match="DFlash2DraftModel"):
         DrafterConfig.from_hf({"architectures": ["DFlash2DraftModel"], "dflash_config": {}})
+
+
+def test_shipped_drafter_fits_the_repo_and_its_target():
+    """The embedded default's drafter: at most 25 MB (issue 6), DFlash block 16, trained on the
+    target's whole 8192-token context, and shaped for SmolLM2-135M (30 layers, hidden 576)."""
+    from deepflash.runtime import DEFAULT_DRAFTER
+
+    assert (DEFAULT_DRAFTER / "model.safetensors").stat().st_size <= 25_000_000
+    cfg = DrafterConfig.from_hf(json.loads((DEFAULT_DRAFTER / "config.json").read_text()))
+    assert cfg.block_size == 16 and cfg.trained_context_length == 8192
+    assert cfg.num_target_layers == 30 and cfg.hidden_size == 576 and max(cfg.target_layer_ids) < 30
