@@ -129,8 +129,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
                    help="feature-ring kernels (auto: triton on CUDA, else torch; compiled with --compile)")
     g.add_argument("--target-kernels", default="torch", choices=list(TARGET_KERNELS),
-                   help="the target's attention kernels: triton fuses q/k norm, rope and the cache write and "
-                        "runs decode attention in Triton (llama-family targets; not yet measured to pay)")
+                   help="triton: fused q/k norm + rope + cache write, decode attention, residual add + norm and "
+                        "SwiGLU in Triton (llama-family targets; not yet measured to pay)")
 
 
 def _max_ctx(value: str) -> int | str:

@@ -110,7 +110,7 @@ def run(args) -> dict:
     if args.part == "mbu":
         results = {"qwen3-8b-shaped plain decode": qwen3_8b_mbu(device, bandwidth)}
         if device.type == "cuda":
-            results["qwen3-8b-shaped plain decode, Triton attention kernels"] = qwen3_8b_mbu(device, bandwidth,
+            results["qwen3-8b-shaped plain decode, Triton target kernels"] = qwen3_8b_mbu(device, bandwidth,
                                                                                            kernels="triton")
         table("Qwen3-8B-shaped random bf16 target, plain decode", ["system", "tok/s", "bytes/step", "MBU"],
               [[name, r["decode_tok_per_s"], r["bytes_per_step"], r["mbu"]] for name, r in results.items()])
@@ -130,9 +130,9 @@ def run(args) -> dict:
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
             target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
-        "deepflash plain, Triton attention kernels": lambda: Engine(target, tok, max_ctx=ctx,
+        "deepflash plain, Triton target kernels": lambda: Engine(target, tok, max_ctx=ctx,
                                                                     target_kernels="triton"),
-        "deepflash dflash (spec auto), Triton attention kernels": lambda: Engine(
+        "deepflash dflash (spec auto), Triton target kernels": lambda: Engine(
             target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="triton"),
         "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),
         "deepflash dflash compiled": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on", compile=True),

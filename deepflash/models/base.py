@@ -38,8 +38,9 @@ class TargetModel(nn.Module):
         return self
 
     def use_kernels(self, kind: str) -> TargetModel:
-        """'torch' (default) or 'triton': attention layers that have a Triton form use it (rope_kernel.py
-        for q/k norm, rope and the cache write; decode_kernel.py for one-token steps' attention)."""
+        """'torch' (default) or 'triton': the layers that have a Triton form use it (rope_kernel.py for
+        q/k norm, rope and the cache write; decode_kernel.py for one-token steps' attention;
+        layer_kernels.py for the residual add + norm and SwiGLU's silu * up)."""
         if kind not in TARGET_KERNELS:
             raise UserError(f"target kernels must be one of {', '.join(TARGET_KERNELS)}, got {kind!r}")
         layers = [module for module in self.modules() if hasattr(module, "kernels")]
@@ -49,7 +50,7 @@ class TargetModel(nn.Module):
             if not available():
                 raise UserError("target kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
             if not layers:
-                raise UserError(f"{type(self).__name__} has no Triton attention kernels; use target kernels 'torch'")
+                raise UserError(f"{type(self).__name__} has no Triton kernels; use target kernels 'torch'")
         for module in layers:
             module.kernels = kind
         return self

@@ -136,6 +136,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.kernels = "torch"  # or "triton" (fused targets: TargetModel.use_kernels)
 
     def fuse_projections(self) -> None:
         """gate and up as one GEMM (fuse_linears); trained modules (the drafter in training) stay unfused."""
@@ -144,6 +145,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.kernels == "triton":  # silu(gate) * up as one kernel (layer_kernels.py)
+            from .layer_kernels import silu_mul
+
+            return self.down_proj(silu_mul(F.linear(x, *self.gate_up)))
         gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

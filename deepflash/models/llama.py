@@ -77,9 +77,17 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kernels = "torch"  # or "triton": TargetModel.use_kernels
 
     def forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, mask)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, mask)
+        if self.kernels == "triton":  # the residual add and the norm after it as one kernel (layer_kernels.py)
+            from .layer_kernels import add_rms_norm
+
+            norm = self.post_attention_layernorm
+            x, h = add_rms_norm(x, attn, norm.weight, norm.eps)
+            return x + self.mlp(h)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

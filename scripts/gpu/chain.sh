@@ -47,7 +47,7 @@ if [ "$DEVICE" = cuda ]; then
   [ "${PROFILE_TRAIN:-1}" = 1 ] && stage profile_train python3 scripts/gpu/profile_train.py --out $R/profile-train.json
   [ "${MEM_PEAK:-1}" = 1 ] && stage mem_peak python3 scripts/gpu/mem_peak.py --out $R/mem-peak.json
   if [ "${RINGS:-1}" = 1 ]; then  # the benchmark runs even if a test fails (its log says which)
-    stage kernels python3 -m pytest -q -rs tests/test_ring_kernels.py tests/test_rope_kernel.py
+    stage kernels python3 -m pytest -q -rs tests/test_ring_kernels.py tests/test_target_kernels.py
     stage rings deepflash bench rings --device $DEVICE --kernels torch,compile,triton --out $R/rings.json
   fi
 fi

@@ -1,5 +1,5 @@
-"""The Triton kernels of an attention layer (models/rope_kernel.py, models/decode_kernel.py) compute what
-its torch form does (on the CPU in Triton's interpreter: helpers.triton_device)."""
+"""The target's Triton kernels (models/rope_kernel.py, decode_kernel.py, layer_kernels.py) compute what
+the torch forms do (on the CPU in Triton's interpreter: helpers.triton_device)."""
 
 import pytest
 import torch
@@ -68,3 +68,20 @@ def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract():
     plain = Engine(target, tokenizer).complete(ids, params)
     assert target.model.layers[0].self_attn.kernels == "torch"  # the last request's engine set it
     assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_kernels_match_torch(dtype):
+    """add_rms_norm and silu_mul against the torch forms, on widths that are not powers of two."""
+    from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(5)
+    x, y = (torch.randn(3, 2, 576, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    weight = (torch.rand(576, generator=gen) + 0.5).to(DEVICE, dtype)
+    total, normed = add_rms_norm(x, y, weight, 1e-5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(total, x + y)
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + y, (576,), weight, 1e-5), **tol)
+    gate_up = torch.randn(4, 2 * 1536, generator=gen).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **tol)

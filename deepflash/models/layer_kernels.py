@@ -1,0 +1,64 @@
+"""Two small Triton kernels of a decoder layer: the residual add fused with the RMSNorm after it, and
+SwiGLU's silu(gate) * up. Each replaces two kernels per layer of a decode step, whose launches and
+round trips through memory cost more than their arithmetic (profile_step.py: the adds and the
+silu / multiply took ~160 of the SmolLM2-135M-shaped step's 1412 us). Opt-in with the
+target's other Triton kernels (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs them on the CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds do not bring Triton
+    triton = None
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, rms_norm(x + y) * weight) over the last dim; the sum is rounded to the input dtype before
+    it is normalised, as the torch form does."""
+    width = x.shape[-1]
+    x, y = x.contiguous(), y.contiguous()
+    total, normed = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm[(x.numel() // width,)](x, y, weight, total, normed, width, eps,
+                                         BLOCK=triton.next_power_of_2(width))
+    return total, normed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection output [..., 2I] (gate first) -> [..., I]."""
+    width = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul[(gate_up.numel() // (2 * width),)](gate_up, out, width, BLOCK=triton.next_power_of_2(width))
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm(x, y, weight, total, normed, width, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        offsets = row * width + cols
+        s = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32) + \
+            tl.load(y + offsets, mask=inside, other=0.0).to(tl.float32)
+        s = s.to(total.dtype.element_ty)
+        tl.store(total + offsets, s, mask=inside)
+        s = s.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / width + eps)
+        gain = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(normed + offsets, (s * inv_rms * gain).to(normed.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _silu_mul(gate_up, out, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        gate = tl.load(gate_up + row * 2 * width + cols, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * 2 * width + width + cols, mask=inside, other=0.0).to(tl.float32)
+        result = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out + row * width + cols, result.to(out.dtype.element_ty), mask=inside)
