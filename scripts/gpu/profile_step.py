@@ -66,8 +66,8 @@ def main():
         other.stop_ids = eager.stop_ids
         prof["graphs_tok_per_s_without_cudnn_sdpa"] = decode_rate(other, prompt, 256)
         torch.backends.cuda.enable_cudnn_sdp(True)
-        # q/k norm, rope and the cache write as one Triton kernel instead of 5-8 (models/rope_kernel.py),
-        # and the decode step's attention in Triton instead of cuDNN (models/decode_kernel.py)
+        # the target's Triton kernels (TargetModel.use_kernels: rope + cache write, decode attention,
+        # add + norm, SwiGLU) in place of the torch forms
         prof["graphs_tok_per_s_triton_kernels"] = None  # without Triton (a CPU dry run): not measured
         if rope_kernel.available():
             fused = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="triton")
