@@ -4,8 +4,9 @@ Per sequence: the frozen target computes the tap-layer features of every positio
 drawn on response tokens; anchor a gets the block [token_a, MASK x (B-1)] at positions a..a+B-1,
 context = features strictly before a, blocks isolated from each other, all in one packed forward
 (masks.py) that serves a whole batch of right-padded sequences (in parts, Trainer._parts). Block
-position k is trained against the token at a + k (same-position labels) with weight exp(-(k-1)/gamma). AdamW, warmup then cosine over the step or time budget, gradient clipping, bf16
-autocast, checkpoint/resume, JSON-lines log, export in the z-lab format.
+position k is trained against the token at a + k (same-position labels) with weight exp(-(k-1)/gamma).
+AdamW, warmup then cosine over the step or time budget, gradient clipping, bf16 autocast,
+checkpoint/resume, JSON-lines log, export in the z-lab format.
 
 Feature preconditioning: target residual streams carry a few channels whose values are hundreds of
 times larger than the rest (massive activations, near-constant over positions). Fed raw to a randomly
