@@ -5,7 +5,12 @@ quant.py's torch forms run a q4_0 write as about 15 kernels and reach 3% of the 
 GROUPS blocks of 32 values of one row: it loads them, converts or quantizes them (per-block scale,
 rounding and nibble packing exactly as quant.py, in float32 with IEEE division and no fused
 multiply-add, so the bytes are the same), and stores them at slot = position % capacity, plus the
-slot's position tag. Decoding is the inverse, for a contiguous run of stored rows.
+slot's position tag. Decoding is the inverse, for a contiguous run of stored rows. q4_0 handles a
+block as its two halves of 16 values (low and high nibbles), so no register shuffle is needed.
+
+On a GPU, Triton's autotuner picks GROUPS and the warps per program for each format and row width at
+the first call (a few seconds, once per process; in the engine that is a graph warm-up, never a
+capture). `deepflash bench rings` records the pairs it chose.
 
 Triton is optional (CUDA machines have it with torch); `TRITON_INTERPRET=1` runs the kernels on the
 CPU, which is how the tests check them without a GPU.
@@ -23,7 +28,6 @@ try:
 except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
-GROUPS = 32  # blocks of 32 values per program
 CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
 
@@ -36,9 +40,9 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
     """Encode rows [n, width] and store them at slot = position % capacity, tags included."""
     n, width = rows.shape
     rows = rows.contiguous()
-    grid = (n, triton.cdiv(triton.cdiv(width, QK), GROUPS))
-    _write[grid](rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name],
-                 GROUPS=GROUPS, enable_fp_fusion=False)
+    blocks = triton.cdiv(width, QK)
+    _write[lambda meta: (n, triton.cdiv(blocks, meta["GROUPS"]))](
+        rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], enable_fp_fusion=False)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -46,13 +50,42 @@ def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float3
     width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
-    grid = (data.shape[0], triton.cdiv(triton.cdiv(width, QK), GROUPS))
-    _decode[grid](data, out, width, data.shape[1], CODES[fmt.name], GROUPS=GROUPS, enable_fp_fusion=False)
+    blocks = triton.cdiv(width, QK)
+    _decode[lambda meta: (data.shape[0], triton.cdiv(blocks, meta["GROUPS"]))](
+        data, out, width, data.shape[1], CODES[fmt.name], enable_fp_fusion=False)
     return out
+
+
+def tuned() -> dict:
+    """The (GROUPS, warps) the autotuner chose, per kernel and (width, row elements, format) key."""
+    return {kernel.base_fn.__name__: {str(key): f"GROUPS={c.kwargs['GROUPS']}, num_warps={c.num_warps}"
+                                      for key, c in kernel.cache.items()} for kernel in (_write, _decode)}
+
+
+def _shapes() -> list:
+    """Candidate (GROUPS, warps); Triton's CPU interpreter, which has no timer, runs the first."""
+    on_gpu = torch.cuda.is_available()
+    pairs = [(32, 4)] + [(g, w) for g in (8, 16, 32, 64) for w in (1, 2, 4, 8) if on_gpu and (g, w) != (32, 4)]
+    return [triton.Config({"GROUPS": g}, num_warps=w) for g, w in pairs]
+
+
+def _bench(fn, quantiles, repeats: int = 10) -> list:
+    """The autotuner's timer: mean of a few runs. Triton's do_bench would flush the L2 cache through a
+    256 MB buffer, which would show in the engine's memory peak."""
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return [begin.elapsed_time(end) / repeats] * len(quantiles)
 
 
 if triton is not None:
 
+    # a write stores the same bytes every time it runs, so the autotuner's repeats are harmless
+    @triton.autotune(configs=_shapes(), key=["width", "row_elems", "FMT"], do_bench=_bench)
     @triton.jit
     def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr):
         r = tl.program_id(0)
@@ -64,13 +97,14 @@ if triton is not None:
         group = chunk * GROUPS + tl.arange(0, GROUPS)
         cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
         inside = cols < width
-        x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
         out = data + slot * row_elems
         if FMT < 3:  # plain: a cast
+            x = tl.load(rows + r * width + cols, mask=inside, other=0.0)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
             live = group < width // 32
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
+                x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 v = x * inv[:, None]
@@ -79,19 +113,21 @@ if triton is not None:
                 block = group * (2 + 32)
                 tl.store(out + block[:, None] + 2 + tl.arange(0, 32)[None, :], payload, mask=live[:, None])
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
-                at = tl.argmax(tl.abs(x), axis=1, tie_break_left=True)
-                peak = tl.sum(tl.where(tl.arange(0, 32)[None, :] == at[:, None], x, 0.0), axis=1)
-                d = tl.math.div_rn(peak, -8.0)
+                half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
+                low = tl.load(rows + r * width + half, mask=live[:, None], other=0.0).to(tl.float32)
+                high = tl.load(rows + r * width + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
+                d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                q = tl.minimum(tl.floor(x * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                low, high = tl.split(tl.permute(tl.reshape(q, [GROUPS, 2, 16]), [0, 2, 1]))
+                q_low = tl.minimum(tl.floor(low * inv[:, None] + 8.5), 15.0).to(tl.uint8)
+                q_high = tl.minimum(tl.floor(high * inv[:, None] + 8.5), 15.0).to(tl.uint8)
                 block = group * (2 + 16)
-                tl.store(out + block[:, None] + 2 + tl.arange(0, 16)[None, :], low | (high << 4),
+                tl.store(out + block[:, None] + 2 + tl.arange(0, 16)[None, :], q_low | (q_high << 4),
                          mask=live[:, None])
             bits = d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
             tl.store(out + block, (bits & 0xFF).to(tl.uint8), mask=live)
             tl.store(out + block + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=live)
 
+    @triton.autotune(configs=_shapes(), key=["width", "row_elems", "FMT"], do_bench=_bench)
     @triton.jit
     def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr):
         r = tl.program_id(0)
@@ -101,6 +137,7 @@ if triton is not None:
         src = data + r * row_elems
         if FMT < 3:
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
+            tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
             live = group < width // 32
             block = group * (2 + 32 if FMT == 3 else 2 + 16)
@@ -109,10 +146,22 @@ if triton is not None:
             scale = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             if FMT == 3:
                 codes = tl.load(src + block[:, None] + 2 + tl.arange(0, 32)[None, :], mask=live[:, None], other=0)
-                q = codes.to(tl.int8, bitcast=True).to(tl.float32)
-            else:
+                x = scale[:, None] * codes.to(tl.int8, bitcast=True).to(tl.float32)
+                tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
+            else:  # low nibbles are the block's first 16 values, high nibbles its last 16
+                half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
                 nibbles = tl.load(src + block[:, None] + 2 + tl.arange(0, 16)[None, :], mask=live[:, None], other=0)
-                both = tl.join(nibbles & 0x0F, nibbles >> 4)  # [GROUPS, 16, 2]
-                q = tl.reshape(tl.permute(both, [0, 2, 1]), [GROUPS, 32]).to(tl.float32) - 8
-            x = scale[:, None] * q
-        tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
+                low = scale[:, None] * ((nibbles & 0x0F).to(tl.float32) - 8)
+                high = scale[:, None] * ((nibbles >> 4).to(tl.float32) - 8)
+                tl.store(out + r * width + half, low.to(out.dtype.element_ty), mask=live[:, None])
+                tl.store(out + r * width + half + 16, high.to(out.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _peak(low, high):
+        """Per block, the signed value of largest magnitude (the first one on a tie), from its halves."""
+        at_low = tl.argmax(tl.abs(low), axis=1, tie_break_left=True)
+        at_high = tl.argmax(tl.abs(high), axis=1, tie_break_left=True)
+        lanes = tl.arange(0, 16)[None, :]
+        peak_low = tl.sum(tl.where(lanes == at_low[:, None], low, 0.0), axis=1)
+        peak_high = tl.sum(tl.where(lanes == at_high[:, None], high, 0.0), axis=1)
+        return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)

@@ -69,6 +69,10 @@ def run(args) -> dict:
           [[pair] + list(v.values()) for pair, v in sizes.items()])
     record = {"bench": "rings", **environment(device), "copy_bandwidth_gb_s": bandwidth, "rows": args.rows,
               "throughput": results, "bytes_per_position": sizes}
+    if "triton" in args.kernels.split(","):
+        from .. import ring_kernels
+
+        record["triton_tuning"] = ring_kernels.tuned()
     return finish(record, args.out)
 
 
