@@ -130,9 +130,9 @@ def run(args) -> dict:
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
             target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
-        "deepflash plain, Triton target kernels": lambda: Engine(target, tok, max_ctx=ctx,
+        "deepflash plain + Triton target kernels": lambda: Engine(target, tok, max_ctx=ctx,
                                                                     target_kernels="triton"),
-        "deepflash dflash (spec auto), Triton target kernels": lambda: Engine(
+        "deepflash dflash (spec auto) + Triton target kernels": lambda: Engine(
             target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="triton"),
         "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),
         "deepflash dflash compiled": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on", compile=True),
@@ -142,7 +142,7 @@ def run(args) -> dict:
         "transformers generate (static cache)": {"cache_implementation": "static"},
         "transformers prompt lookup (10)": {"prompt_lookup_num_tokens": 10},
     }
-    wanted = set(args.systems.split(",")) if args.systems else \
+    wanted = {name.strip() for name in args.systems.split(",")} if args.systems else \
         {name for name in [*engines, *transformers_runs]
          if "compiled" not in name and ("Triton" not in name or device.type == "cuda")}
     unknown = wanted - set(engines) - set(transformers_runs)
