@@ -5,18 +5,19 @@ quant.py's torch forms run a q4_0 write as about 15 kernels and reach 3% of the 
 GROUPS blocks of 32 values of one row: it loads them, converts or quantizes them (per-block scale,
 rounding and nibble packing exactly as quant.py, in float32 with IEEE division and no fused
 multiply-add, so the bytes are the same), and stores them at slot = position % capacity, plus the
-slot's position tag. Decoding is the inverse, for a contiguous run of stored rows. q4_0 handles a
-block as its two halves of 16 values (low and high nibbles), so no register shuffle is needed.
+slot's position tag. Decoding is the inverse, for a contiguous run of stored rows. A q4_0 write loads a
+block as its two halves of 16 values (low and high nibbles), so it needs no register shuffle.
 
-On a GPU, Triton's autotuner picks GROUPS and the warps per program for each format and row width at
-the first call (a few seconds, once per process; in the engine that is a graph warm-up, never a
-capture). `deepflash bench rings` records the pairs it chose.
+GROUPS and the warps per program come from SHAPES, the best measured on the H200 (BENCHMARKS.md);
+`deepflash bench rings --triton-shapes` times other pairs.
 
 Triton is optional (CUDA machines have it with torch); `TRITON_INTERPRET=1` runs the kernels on the
 CPU, which is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -29,6 +30,25 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
 CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
+# (blocks of 32 values per program, warps per program) for each kernel and format
+SHAPES = {("write", "q4_0"): (32, 1), ("write", "q8_0"): (16, 1)}
+DEFAULT_SHAPE = (32, 4)
+_override: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def shape_override(groups: int, warps: int):
+    """Run every kernel with this (GROUPS, warps) inside the block: how bench rings times other pairs."""
+    global _override
+    _override = (groups, warps)
+    try:
+        yield
+    finally:
+        _override = None
+
+
+def _shape(kernel: str, fmt: RowFormat) -> tuple[int, int]:
+    return _override or SHAPES.get((kernel, fmt.name), DEFAULT_SHAPE)
 
 
 def available() -> bool:
@@ -40,9 +60,10 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
     """Encode rows [n, width] and store them at slot = position % capacity, tags included."""
     n, width = rows.shape
     rows = rows.contiguous()
-    blocks = triton.cdiv(width, QK)
-    _write[lambda meta: (n, triton.cdiv(blocks, meta["GROUPS"]))](
-        rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], enable_fp_fusion=False)
+    groups, warps = _shape("write", fmt)
+    _write[(n, triton.cdiv(triton.cdiv(width, QK), groups))](
+        rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], GROUPS=groups,
+        num_warps=warps, enable_fp_fusion=False)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,42 +71,14 @@ def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float3
     width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
-    blocks = triton.cdiv(width, QK)
-    _decode[lambda meta: (data.shape[0], triton.cdiv(blocks, meta["GROUPS"]))](
-        data, out, width, data.shape[1], CODES[fmt.name], enable_fp_fusion=False)
+    groups, warps = _shape("decode", fmt)
+    _decode[(data.shape[0], triton.cdiv(triton.cdiv(width, QK), groups))](
+        data, out, width, data.shape[1], CODES[fmt.name], GROUPS=groups, num_warps=warps, enable_fp_fusion=False)
     return out
-
-
-def tuned() -> dict:
-    """The (GROUPS, warps) the autotuner chose, per kernel and (width, row elements, format) key."""
-    return {kernel.base_fn.__name__: {str(key): f"GROUPS={c.kwargs['GROUPS']}, num_warps={c.num_warps}"
-                                      for key, c in kernel.cache.items()} for kernel in (_write, _decode)}
-
-
-def _shapes() -> list:
-    """Candidate (GROUPS, warps); Triton's CPU interpreter, which has no timer, runs the first."""
-    on_gpu = torch.cuda.is_available()
-    pairs = [(32, 4)] + [(g, w) for g in (8, 16, 32, 64) for w in (1, 2, 4, 8) if on_gpu and (g, w) != (32, 4)]
-    return [triton.Config({"GROUPS": g}, num_warps=w) for g, w in pairs]
-
-
-def _bench(fn, quantiles, repeats: int = 10) -> list:
-    """The autotuner's timer: mean of a few runs. Triton's do_bench would flush the L2 cache through a
-    256 MB buffer, which would show in the engine's memory peak."""
-    fn()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return [begin.elapsed_time(end) / repeats] * len(quantiles)
 
 
 if triton is not None:
 
-    # a write stores the same bytes every time it runs, so the autotuner's repeats are harmless
-    @triton.autotune(configs=_shapes(), key=["width", "row_elems", "FMT"], do_bench=_bench)
     @triton.jit
     def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr):
         r = tl.program_id(0)
@@ -127,7 +120,6 @@ if triton is not None:
             tl.store(out + block, (bits & 0xFF).to(tl.uint8), mask=live)
             tl.store(out + block + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=live)
 
-    @triton.autotune(configs=_shapes(), key=["width", "row_elems", "FMT"], do_bench=_bench)
     @triton.jit
     def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr):
         r = tl.program_id(0)
@@ -137,7 +129,6 @@ if triton is not None:
         src = data + r * row_elems
         if FMT < 3:
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
-            tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
             live = group < width // 32
             block = group * (2 + 32 if FMT == 3 else 2 + 16)
@@ -146,15 +137,13 @@ if triton is not None:
             scale = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             if FMT == 3:
                 codes = tl.load(src + block[:, None] + 2 + tl.arange(0, 32)[None, :], mask=live[:, None], other=0)
-                x = scale[:, None] * codes.to(tl.int8, bitcast=True).to(tl.float32)
-                tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
-            else:  # low nibbles are the block's first 16 values, high nibbles its last 16
-                half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
+                q = codes.to(tl.int8, bitcast=True).to(tl.float32)
+            else:
                 nibbles = tl.load(src + block[:, None] + 2 + tl.arange(0, 16)[None, :], mask=live[:, None], other=0)
-                low = scale[:, None] * ((nibbles & 0x0F).to(tl.float32) - 8)
-                high = scale[:, None] * ((nibbles >> 4).to(tl.float32) - 8)
-                tl.store(out + r * width + half, low.to(out.dtype.element_ty), mask=live[:, None])
-                tl.store(out + r * width + half + 16, high.to(out.dtype.element_ty), mask=live[:, None])
+                both = tl.join(nibbles & 0x0F, nibbles >> 4)  # [GROUPS, 16, 2]
+                q = tl.reshape(tl.permute(both, [0, 2, 1]), [GROUPS, 32]).to(tl.float32) - 8
+            x = scale[:, None] * q
+        tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _peak(low, high):

@@ -68,3 +68,18 @@ def test_engine_with_triton_rings_keeps_the_greedy_contract(feature_dtype):
     spec = Engine(target, tokenizer, drafter, spec="on", feature_dtype=feature_dtype, feat_ring_cap=16,
                   ring_kernels="triton").complete(ids, params)
     assert spec.token_ids == Engine(target, tokenizer).complete(ids, params).token_ids
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (64, 8)])
+def test_every_program_shape_stores_the_same_bytes(shape):
+    """bench rings --triton-shapes times other (GROUPS, warps) pairs: they must store the same bytes."""
+    from deepflash import ring_kernels
+
+    for fmt in ("q8_0", "q4_0"):
+        rows = awkward_rows(3, 2880)
+        torch_ring, triton_ring = (FeatureRing(4, 2880, FORMATS[fmt], DEVICE, kernels=k) for k in ("torch", "triton"))
+        torch_ring.write(torch.arange(3, device=DEVICE), rows)
+        with ring_kernels.shape_override(*shape):
+            triton_ring.write(torch.arange(3, device=DEVICE), rows)
+            assert torch.equal(torch_ring.data, triton_ring.data)
+            assert torch.equal(torch_ring.read(0, 3), triton_ring.read(0, 3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
 from ..features import FeatureRing
 from ..quant import FORMATS
 from ..runtime import resolve_device
@@ -48,7 +49,22 @@ def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kerne
             "row_bytes": fmt.row_bytes(width)}
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    groups, _, warps = text.partition("x")
+    if not (groups.isdigit() and warps.isdigit()):
+        raise UserError(f"--triton-shapes: {text!r} is not GROUPSxWARPS, e.g. 32x4")
+    return int(groups), int(warps)
+
+
+def measure(device, bandwidth: float, fmt: str, args, kernels: str) -> dict:
+    r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels)
+    r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
+    r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth if r["dequant_gb_s"] else None
+    return r
+
+
 def run(args) -> dict:
+    shapes = [parse_shape(text) for text in args.triton_shapes.split(",")] if args.triton_shapes else []
     device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device)
     results = {}
@@ -56,10 +72,13 @@ def run(args) -> dict:
         # torch.compile only changes the block formats (features.store_and_decode)
         names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
         for fmt in names:
-            r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels)
-            r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
-            r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth if r["dequant_gb_s"] else None
-            results[f"{fmt} {kernels}"] = r
+            results[f"{fmt} {kernels}"] = measure(device, bandwidth, fmt, args, kernels)
+    for groups, warps in shapes:
+        from .. import ring_kernels
+
+        with ring_kernels.shape_override(groups, warps):
+            for fmt in FORMATS:
+                results[f"{fmt} triton {groups}x{warps}"] = measure(device, bandwidth, fmt, args, "triton")
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
     table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
           f"{bandwidth:.0f} GB/s)", ["dtype, kernels", "write GB/s", "of copy", "dequant GB/s", "of copy"],
@@ -69,10 +88,6 @@ def run(args) -> dict:
           [[pair] + list(v.values()) for pair, v in sizes.items()])
     record = {"bench": "rings", **environment(device), "copy_bandwidth_gb_s": bandwidth, "rows": args.rows,
               "throughput": results, "bytes_per_position": sizes}
-    if "triton" in args.kernels.split(","):
-        from .. import ring_kernels
-
-        record["triton_tuning"] = ring_kernels.tuned()
     return finish(record, args.out)
 
 
@@ -84,5 +99,8 @@ def register(sub) -> None:
     p.add_argument("--kernels", default="torch",
                    help="comma list of ring kernels to time: torch (eager), compile (torch.compile, the engine's "
                         "--compile), triton (hand-written, one pass each way)")
+    p.add_argument("--triton-shapes",
+                   help="comma list of GROUPSxWARPS (e.g. 16x1,32x4,64x8) to time the Triton kernels with, every "
+                        "format, besides their defaults (ring_kernels.SHAPES)")
     p.add_argument("--out")
     p.set_defaults(func=run)

@@ -418,15 +418,16 @@ class Trainer:
         loss, acc = self.batch_loss(batch)
         norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.tc.grad_clip)
         self.opt.step()
+        # reading the values waits for the step's GPU work, so that tok/s times it, not just its launch
+        loss, acc, norm = float(loss), [round(float(a), 4) for a in acc], float(norm)
         p = self.progress
         p.step += 1
         tokens = sum(len(s) for s in batch)
         p.tokens += tokens
         seconds = time.perf_counter() - began
         p.elapsed = time.perf_counter() - self.started  # wall clock: evals and checkpoints count too
-        return {"step": p.step, "loss": float(loss), "acc": [round(float(a), 4) for a in acc],
-                "grad_norm": float(norm), "lr": self.lr_now(), "tok_per_s": tokens / seconds,
-                "elapsed_s": round(p.elapsed, 1)}
+        return {"step": p.step, "loss": loss, "acc": acc, "grad_norm": norm, "lr": self.lr_now(),
+                "tok_per_s": tokens / seconds, "elapsed_s": round(p.elapsed, 1)}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
