@@ -12,10 +12,11 @@ T = TypeVar("T")
 stderr = Console(stderr=True)
 
 
-def bar(*extra_columns) -> Progress:
-    """A progress display; extra columns show task fields (e.g. loss and tokens/s in training)."""
+def bar(*extra_columns, disable: bool = False) -> Progress:
+    """A progress display; extra columns show task fields (e.g. loss and tokens/s in training). disable:
+    shown nowhere (training workers other than the lead)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
-                    TimeRemainingColumn(), console=stderr, transient=True)
+                    TimeRemainingColumn(), console=stderr, transient=True, disable=disable)
 
 
 def progress(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:

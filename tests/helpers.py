@@ -40,6 +40,11 @@ def tiny_target(dtype=torch.float64, seed=0, std=0.2, **overrides):
     return random_model(llama_config(**overrides), dtype=dtype, seed=seed, std=std)
 
 
+def tiny_target_and_tokenizer(device: torch.device):
+    """The training tests' target (tiny_target in float32) and tokenizer: what a training worker loads."""
+    return tiny_target(dtype=torch.float32).to(device), tiny_tokenizer()
+
+
 def drafter_config(target_cfg: ModelConfig, layers: int = 2, block_size: int = 16, sliding: bool = False,
                    window: int = 8, taps=(0, 2), **overrides) -> DrafterConfig:
     types = ["sliding_attention" if sliding and i < layers - 1 else "full_attention" for i in range(layers)]

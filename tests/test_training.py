@@ -241,3 +241,56 @@ def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypat
     split = trainer.batch_loss(batch, train=False)
     torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split[1], whole[1])
+
+
+def test_data_parallel_workers_train_one_drafter(dataset, tmp_path):
+    """--workers 2 on the CPU (gloo): the workers end on the same step with identical replicas (the run
+    raises otherwise), and the lead's export keeps the greedy contract."""
+    from deepflash.train.parallel import train
+    from helpers import tiny_target_and_tokenizer
+
+    target, tok, data, _ = dataset
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, anchors=16, steps=6,
+                     lr=3e-3, batch_tokens=200, eval_every=1000, ckpt_every=1000, log_every=1, attention="sdpa",
+                     mask_token_id=95)
+    folder = train(2, tc, tiny_target_and_tokenizer, torch.device("cpu"))
+    log = [json.loads(line) for line in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    prompt, params = [5, 9, 22, 31], SamplingParams(max_new_tokens=12)
+    spec = Engine(target, tok, load_drafter(folder), spec="on").complete(prompt, params)
+    assert spec.token_ids == Engine(target, tok).complete(prompt, params).token_ids
+
+
+def _group_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from deepflash.train.parallel import Group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = Group(rank, 2)
+    weight = torch.nn.Parameter(torch.full((3,), 1.0 + rank))
+    weight.grad = torch.full((3,), 2.0 * rank)
+    idle = torch.nn.Parameter(torch.zeros(2))  # no gradient on rank 0: it contributes zeros
+    idle.grad = None if rank == 0 else torch.ones(2)
+    values = group.average_step([weight, idle], [10.0 * rank, 0.5])
+    try:
+        group.check_replicas([weight])
+        drift = None
+    except RuntimeError as err:
+        drift = str(err)
+    torch.save({"grad": weight.grad, "idle": idle.grad, "values": values, "drift": drift}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_workers_average_gradients_and_notice_drifted_replicas(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_group_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(got["grad"], torch.ones(3)) and torch.equal(got["idle"], torch.full((2,), 0.5))
+        assert got["values"] == [5.0, 0.5]
+        assert "differ" in got["drift"]  # the replicas started at 1.0 and 2.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def register(sub) -> None:
     train.add_argument("--cudnn-attention", action="store_true",
                        help="let SDPA use cuDNN attention, which plans anew for every sequence length (9x slower "
                             "training steps on an H200)")
+    train.add_argument("--workers", type=int, default=1,
+                       help="data-parallel training processes, averaging gradients every step; they take the GPUs "
+                            "round-robin, and several on one GPU still help, since a step is mostly host work")
     train.add_argument("--norm-lr-scale", type=float, default=1.0,
                        help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
                             "end up, and AdamW moves them by about lr per step)")
@@ -73,13 +77,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from ..models import load_target
-    from ..runtime import resolve_device, resolve_dtype
-    from ..tokenizer import load_tokenizer
+    from ..runtime import resolve_device
 
     device = resolve_device(args.device)
-    target, folder = load_target(args.model, device, resolve_dtype(args.dtype, device))
-    return target, load_tokenizer(folder), device
+    return (*target_on(args.model, args.dtype, device), device)
+
+
+def target_on(model: str | None, dtype: str, device):
+    """The target and its tokenizer on one device (module-level: training workers call it by name)."""
+    from ..models import load_target
+    from ..runtime import resolve_dtype
+    from ..tokenizer import load_tokenizer
+
+    target, folder = load_target(model, device, resolve_dtype(dtype, device))
+    return target, load_tokenizer(folder)
 
 
 def cmd_generate(args) -> None:
@@ -106,8 +117,17 @@ def cmd_train(args) -> None:
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to,
                      device=args.device)
-    target, tokenizer, device = _load(args)
-    folder = Trainer(tc, target, tokenizer, device).run()
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > 1:
+        from ..runtime import resolve_device
+        from .parallel import train
+
+        load = functools.partial(target_on, args.model, args.dtype)
+        folder = train(args.workers, tc.validated(), load, resolve_device(args.device))
+    else:
+        target, tokenizer, device = _load(args)
+        folder = Trainer(tc, target, tokenizer, device).run()
     print(json.dumps({"drafter": str(folder)}))
 
 

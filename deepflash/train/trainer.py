@@ -42,6 +42,7 @@ from ..errors import UserError
 from ..models import init_random_
 from ..progress import bar, stderr
 from .masks import default_gamma, loss_weights, query_layout, training_mask, training_mask_mod
+from .parallel import Group
 from .shards import Sequence, iter_batches, read_all
 
 
@@ -236,8 +237,9 @@ def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str) -> l
 
 
 class Trainer:
-    def __init__(self, tc: TrainConfig, target, tokenizer, device: torch.device):
+    def __init__(self, tc: TrainConfig, target, tokenizer, device: torch.device, group: Group | None = None):
         self.tc, self.target, self.device = tc.validated(), target, device
+        self.group = group or Group()  # data-parallel workers (parallel.py); alone by default
         seqs, self.data_meta = read_all(Path(tc.data))
         gen = torch.Generator().manual_seed(tc.seed)
         order = torch.randperm(len(seqs), generator=gen).tolist()
@@ -263,22 +265,28 @@ class Trainer:
         self.feature_scale = self._measure_feature_scale(self.train_seqs[:16])
         if start is not None:
             self._load_exported(start)
-        self.generator = torch.Generator().manual_seed(tc.seed + 1)
+        self.train_seqs = self.train_seqs[self.group.rank::self.group.world] or self.train_seqs
+        self.generator = torch.Generator().manual_seed(tc.seed + 1 + self.group.rank)
         self.attention = self._choose_attention()
         self.out = Path(tc.out)
         self.out.mkdir(parents=True, exist_ok=True)
         if tc.resume:
             self._load_checkpoint()
+        self.group.share([*self.drafter.parameters(), self.feature_scale])  # every replica starts alike
         self.started = time.perf_counter() - self.progress.elapsed  # the budget's wall-clock origin
+        self.clock = self.fraction_done()  # the budget share all workers agree on (parallel.py)
+        self.finished = self.clock >= 1.0
 
     # --- budget and schedule ------------------------------------------------------------------------
-    def fraction_done(self) -> float:
+    def fraction_done(self, step: int | None = None, elapsed: float | None = None) -> float:
+        """The share of the budget spent after `step` steps and `elapsed` seconds (default: so far)."""
         tc, p = self.tc, self.progress
+        step, elapsed = (p.step if step is None else step), (p.elapsed if elapsed is None else elapsed)
         parts = []
         if tc.steps:
-            parts.append(p.step / tc.steps)
+            parts.append(step / tc.steps)
         if tc.max_minutes:
-            parts.append(p.elapsed / (tc.max_minutes * 60))
+            parts.append(elapsed / (tc.max_minutes * 60))
         return max(parts)
 
     def _param_groups(self) -> list[dict]:
@@ -291,7 +299,7 @@ class Trainer:
 
     def lr_now(self) -> float:
         """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr_ratio."""
-        tc, done = self.tc, self.fraction_done()
+        tc, done = self.tc, self.clock
         if done < tc.warmup:
             return tc.lr * max(done / tc.warmup, 0.01)
         t = min(1.0, (done - tc.warmup) / max(1e-9, 1 - tc.warmup))
@@ -412,22 +420,26 @@ class Trainer:
 
     def step(self, batch: list[Sequence]) -> dict:
         began = time.perf_counter()
-        for group in self.opt.param_groups:
-            group["lr"] = self.lr_now() * group["lr_scale"]
         self.opt.zero_grad(set_to_none=True)
         loss, acc = self.batch_loss(batch)
-        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.tc.grad_clip)
+        params = list(self.drafter.parameters())
+        after = self.fraction_done(self.progress.step + 1, time.perf_counter() - self.started)
+        tokens, self.clock, after = self.group.average_step(params, [sum(len(s) for s in batch),
+                                                                     self.fraction_done(), after])
+        self.finished = after >= 1.0
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_now() * group["lr_scale"]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.tc.grad_clip)
         self.opt.step()
         # reading the values waits for the step's GPU work, so that tok/s times it, not just its launch
         loss, acc, norm = float(loss), [round(float(a), 4) for a in acc], float(norm)
         p = self.progress
         p.step += 1
-        tokens = sum(len(s) for s in batch)
-        p.tokens += tokens
+        p.tokens += round(tokens * self.group.world)
         seconds = time.perf_counter() - began
         p.elapsed = time.perf_counter() - self.started  # wall clock: evals and checkpoints count too
         return {"step": p.step, "loss": loss, "acc": acc, "grad_norm": norm, "lr": self.lr_now(),
-                "tok_per_s": tokens / seconds, "elapsed_s": round(p.elapsed, 1)}
+                "tok_per_s": tokens * self.group.world / seconds, "elapsed_s": round(p.elapsed, 1)}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -446,28 +458,33 @@ class Trainer:
 
     # --- loop -------------------------------------------------------------------------------------
     def run(self) -> Path:
+        """Train until the budget is spent; the lead worker logs, evaluates, checkpoints and exports."""
         from rich.progress import TextColumn
 
-        log = (self.out / "train.jsonl").open("a")
+        lead = self.group.lead
+        log = (self.out / "train.jsonl").open("a") if lead else None
         self.drafter.train()
-        with bar(TextColumn("{task.fields[info]}")) as display:
+        with bar(TextColumn("{task.fields[info]}"), disable=not lead) as display:
             task = display.add_task("training drafter", total=1000, info="")
-            while self.fraction_done() < 1.0:
+            while not self.finished:
                 for batch in iter_batches(self.train_seqs, self.tc.batch_tokens, self.generator):
                     record = self.step(batch)
                     p = self.progress
-                    if p.step % self.tc.log_every == 0 or p.step == 1:
-                        log.write(json.dumps(record) + "\n")
-                        log.flush()
-                    display.update(task, completed=int(1000 * min(1.0, self.fraction_done())),
+                    display.update(task, completed=int(1000 * min(1.0, self.clock)),
                                    info=f"loss {record['loss']:.3f} acc1 {record['acc'][0]:.2f} "
                                         f"tok/s {record['tok_per_s']:.0f}")
-                    if p.step % self.tc.eval_every == 0:
+                    if lead and (p.step % self.tc.log_every == 0 or p.step == 1):
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
+                    if lead and p.step % self.tc.eval_every == 0:
                         self._log_eval(log)
-                    if p.step % self.tc.ckpt_every == 0:
+                    if lead and p.step % self.tc.ckpt_every == 0:
                         self._save_checkpoint()
-                    if self.fraction_done() >= 1.0:
+                    if self.finished:
                         break
+        self.group.check_replicas(list(self.drafter.parameters()))
+        if not lead:
+            return self.out / "drafter"
         self._log_eval(log)
         self._save_checkpoint()
         log.close()
@@ -511,7 +528,10 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.progress = Progress(**state["progress"])
         self.feature_scale = state["feature_scale"].to(self.device)
-        self.generator.set_state(state["generator"])
+        if self.group.lead:  # the checkpoint holds the lead's draws; the others continue on fresh ones
+            self.generator.set_state(state["generator"])
+        else:
+            self.generator.manual_seed(self.tc.seed + 1 + self.group.rank + 7919 * self.progress.step)
 
     def _choose_attention(self) -> str:
         """flex_attention on CUDA when it works and agrees with the explicit mask; the explicit mask

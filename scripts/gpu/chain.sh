@@ -81,6 +81,7 @@ refresh
 train_run() {  # train_run OUT [EXTRA ARGS...]
   deepflash train-drafter train --device $DEVICE --data $DATA --out "$1" --layers $LAYERS --batch-tokens $BATCH_TOKENS \
     --max-minutes $TRAIN_MINUTES --lr $LR --attention ${ATTENTION:-sdpa} --pad-to ${PAD_TO:-256} \
+    --workers ${TRAIN_WORKERS:-1} \
     ${INIT_FROM:+--init-from $INIT_FROM} "${@:2}"
 }
 # TRAIN_B (extra arguments) trains a second arm side by side for an A/B; pick then chooses among all

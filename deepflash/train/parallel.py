@@ -1,0 +1,103 @@
+"""Data-parallel drafter training: `train-drafter train --workers N`.
+
+N worker processes each hold the frozen target and a replica of the drafter, train on their own share
+of the sequences, and average their gradients every step, so every replica takes the same optimizer
+step. A training step is mostly host work (BENCHMARKS.md: ~0.2 s per step on an H200, the GPU busy for
+a fraction of it), so workers pay off on one GPU too: they take the GPUs round-robin. NCCL carries the
+averages when each worker has a GPU of its own; gloo otherwise (NCCL refuses two workers on one GPU,
+and the CPU has only gloo).
+
+One all-reduce per step carries the gradients, the step's tokens and each worker's share of the
+budget before and after the step; the mean shares are the common clock that sets the learning rate and
+ends the run on the same step everywhere.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class Group:
+    """This worker's place among the workers and the one collective a step needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @property
+    def lead(self) -> bool:
+        """The worker that evaluates, logs, checkpoints and exports."""
+        return self.rank == 0
+
+    def share(self, tensors: list[torch.Tensor]) -> None:
+        """Give every worker the lead worker's values (the drafter's start, the feature scale)."""
+        if self.world > 1:
+            for t in tensors:
+                dist.broadcast(t.data, 0)
+
+    def average_step(self, params: list[torch.nn.Parameter], values: list[float]) -> list[float]:
+        """Average the gradients in place, and the values (the step's tokens, budget shares) with them.
+        A worker whose batch had nothing to learn from contributes zero gradients."""
+        if self.world == 1:
+            return values
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.flatten().float() for g in grads] +
+                         [torch.tensor(values, dtype=torch.float32, device=grads[0].device)])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset: offset + g.numel()].view_as(p).to(p.dtype)
+            offset += g.numel()
+        return flat[offset:].tolist()
+
+    def check_replicas(self, params: list[torch.nn.Parameter]) -> None:
+        """Raise if the drafter replicas drifted apart (they must take identical steps)."""
+        if self.world == 1:
+            return
+        mine = torch.stack([p.detach().double().sum() for p in params])
+        low, high = mine.clone(), mine.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            raise RuntimeError("data-parallel training: the drafter replicas differ between workers")
+
+
+def worker_device(rank: int, device: torch.device) -> torch.device:
+    """Workers take the GPUs round-robin; on the CPU they all use it."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def backend(workers: int, device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" and workers <= torch.cuda.device_count() else "gloo"
+
+
+def train(workers: int, tc, load: Callable, device: torch.device) -> Path:
+    """Run the training in `workers` processes; `load(device)` -> (target, tokenizer) runs in each (it
+    must be picklable: a module-level function or a partial of one). Returns the exported drafter."""
+    with socket.socket() as s:  # a free port for the workers' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(workers, port, tc, load, device), nprocs=workers, join=True)
+    return Path(tc.out) / "drafter"
+
+
+def _worker(rank: int, workers: int, port: int, tc, load: Callable, device: torch.device) -> None:
+    from .trainer import Trainer
+
+    mine = worker_device(rank, device)
+    if mine.type == "cuda":
+        torch.cuda.set_device(mine)
+    dist.init_process_group(backend(workers, device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=workers)
+    try:
+        target, tokenizer = load(mine)
+        Trainer(tc, target, tokenizer, mine, Group(rank, workers)).run()
+    finally:
+        dist.destroy_process_group()
