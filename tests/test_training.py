@@ -243,6 +243,39 @@ def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypat
     torch.testing.assert_close(split[1], whole[1])
 
 
+def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_path, monkeypatch):
+    """The gradient of a step is that of the batch's weighted mean CE (REFERENCE 4's clip of 1.0 assumes
+    a mean), whether the batch runs whole or in parts."""
+    from deepflash.train import trainer as trainer_module
+
+    target, tok, data, _ = dataset
+    trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=1, taps=2, block_size=4, steps=1,
+                                  anchors=64, attention="sdpa", mask_token_id=95, pad_to=0), target, tok,
+                      torch.device("cpu"))
+    batch = trainer.train_seqs[:5]
+
+    def grads(run):
+        trainer.drafter.zero_grad()
+        run()
+        return [p.grad.clone() for p in trainer.drafter.parameters()]
+
+    def mean_loss():
+        tokens, lengths, loss_mask, anchors, real = trainer._batch_inputs(batch)
+        feats = trainer._raw_features(tokens) * trainer.feature_scale
+        loss, weight, _, _ = block_loss(trainer.drafter, target, tokens, lengths, feats, loss_mask, anchors, real,
+                                        trainer.weights, "sdpa")
+        (loss / weight).backward()
+
+    want = grads(mean_loss)
+    whole = grads(lambda: trainer.batch_loss(batch))
+    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (64 * 4 + max(map(len, batch))) * 2)
+    assert len(trainer._parts(batch)) >= 3
+    split = grads(lambda: trainer.batch_loss(batch))
+    for w, a, b in zip(want, whole, split):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b, w, rtol=1e-4, atol=1e-6)
+
+
 def test_data_parallel_workers_train_one_drafter(dataset, tmp_path):
     """--workers 2 on the CPU (gloo): the workers end on the same step with identical replicas (the run
     raises otherwise), and the lead's export keeps the greedy contract."""

@@ -31,7 +31,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
         engine.complete(ids, params)
     tokens = steps = committed = 0
     wall = decode = 0.0
-    outputs = []
+    outputs, per_prompt = [], []
     for ids in prompts:
         began = time.perf_counter()
         r = engine.complete(ids, params)
@@ -39,10 +39,14 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
         decode += r.decode_s
         tokens += r.generated_tokens
         outputs.append(r.token_ids)
+        # per prompt, so that short and long contexts can be told apart
+        per_prompt.append({"prompt_tokens": len(ids), "tokens": r.generated_tokens,
+                           "decode_tok_per_s": r.generated_tokens / r.decode_s if r.decode_s else None})
         if r.spec is not None:
             steps += r.spec.steps
             committed += r.spec.committed
-    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode, "outputs": outputs}
+    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode, "outputs": outputs,
+           "per_prompt": per_prompt}
     if steps:
         out["acceptance_length"] = committed / steps
     return out

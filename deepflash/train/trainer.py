@@ -4,7 +4,8 @@ Per sequence: the frozen target computes the tap-layer features of every positio
 drawn on response tokens; anchor a gets the block [token_a, MASK x (B-1)] at positions a..a+B-1,
 context = features strictly before a, blocks isolated from each other, all in one packed forward
 (masks.py) that serves a whole batch of right-padded sequences (in parts, Trainer._parts). Block
-position k is trained against the token at a + k (same-position labels) with weight exp(-(k-1)/gamma).
+position k is trained against the token at a + k (same-position labels) with weight exp(-(k-1)/gamma);
+a step's loss is the batch's weighted mean, so that the gradient clip of 1.0 only trims outliers.
 AdamW, warmup then cosine over the step or time budget, gradient clipping, bf16 autocast,
 checkpoint/resume, JSON-lines log, export in the z-lab format.
 
@@ -183,11 +184,7 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     x = drafter.block_embeddings(target.model.embed_tokens, block)
     masks = _layer_masks(cfg, anchors, ctx_len, attention)
     hidden = drafter(x, q_pos, ctx_kv, masks).view(b, anchors.shape[1], size, -1)[:, :, 1:]
-    label_pos = anchors[:, :, None] + torch.arange(1, size, device=device)  # [b, A, B-1]
-    valid = label_pos < lengths[:, None, None]
-    label_pos = label_pos.clamp(max=ctx_len - 1).flatten(1)
-    valid &= loss_mask.gather(1, label_pos).view_as(valid)
-    valid &= (torch.arange(anchors.shape[1], device=device) < real[:, None])[:, :, None]
+    valid, label_pos = labelled(anchors, lengths, loss_mask, real, size)
     labels = tokens.gather(1, label_pos).view_as(valid)
     w = weights * valid
     # the LM head per sequence, recomputed in the backward pass: the logits of a whole batch
@@ -195,6 +192,17 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     losses, hits = zip(*(checkpoint(_head_loss, drafter, target.lm_head, hidden[i], labels[i], w[i], valid[i],
                                     use_reentrant=False) for i in range(b)))
     return sum(losses), w.sum(), sum(hits), valid.sum((0, 1))
+
+
+def labelled(anchors, lengths, loss_mask, real, size: int):
+    """Which block positions k = 1..B-1 carry a label [b, A, B-1] (inside the sequence, on a response
+    token, of a real anchor), and the labels' positions [b, A*(B-1)]: same-position labels, anchor + k."""
+    label_pos = anchors[:, :, None] + torch.arange(1, size, device=anchors.device)
+    valid = label_pos < lengths[:, None, None]
+    label_pos = label_pos.clamp(max=loss_mask.shape[1] - 1).flatten(1)
+    valid &= loss_mask.gather(1, label_pos).view_as(valid)
+    valid &= (torch.arange(anchors.shape[1], device=anchors.device) < real[:, None])[:, :, None]
+    return valid, label_pos
 
 
 def _head_loss(drafter: DFlashDrafter, lm_head, hidden, labels, w, valid):
@@ -366,6 +374,10 @@ class Trainer:
     def _batch_loss(self, batch: list[Sequence], attention: str | None, train: bool):
         # every host-to-device copy first (_batch_inputs), then one forward (and backward) per part
         parts = [self._batch_inputs(part) for part in self._parts(batch)]
+        # the loss is the batch's weighted mean CE: each part's weighted sum over the whole batch's weight,
+        # known before any forward, so that every part can run its backward at once
+        batch_weight = sum((self.weights * labelled(anchors, lengths, loss_mask, real, self.cfg.block_size)[0]).sum()
+                           for _, lengths, loss_mask, anchors, real in parts if anchors is not None)
         total = weight = torch.zeros((), device=self.device)
         hits = counts = torch.zeros(self.cfg.block_size - 1, device=self.device)
         for tokens, lengths, loss_mask, anchors, real in parts:
@@ -376,7 +388,7 @@ class Trainer:
                 loss, w, h, c = block_loss(self.drafter, self.target, tokens, lengths, feats, loss_mask, anchors,
                                            real, self.weights, attention or self.attention)
             if train:
-                (loss / len(batch)).backward()  # frees this part's graph before the next
+                (loss / batch_weight).backward()  # frees this part's graph before the next
             total, weight, hits, counts = total + loss.detach(), weight + w, hits + h, counts + c
         return total / weight.clamp(min=1), hits / counts.clamp(min=1)
 
