@@ -37,7 +37,9 @@ class Group:
         """Give every worker the lead worker's values (the drafter's start, the feature scale)."""
         if self.world > 1:
             for t in tensors:
-                dist.broadcast(t.data, 0)
+                shared = t.detach().cpu() if dist.get_backend() == "gloo" else t.data
+                dist.broadcast(shared, 0)
+                t.data.copy_(shared)
 
     def average_step(self, params: list[torch.nn.Parameter], values: list[float]) -> list[float]:
         """Average the gradients in place, and the values (the step's tokens, budget shares) with them.
@@ -47,8 +49,7 @@ class Group:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.flatten().float() for g in grads] +
                          [torch.tensor(values, dtype=torch.float32, device=grads[0].device)])
-        dist.all_reduce(flat)
-        flat /= self.world
+        flat = self._reduced(flat, dist.ReduceOp.SUM).to(grads[0].device) / self.world
         offset = 0
         for p, g in zip(params, grads):
             p.grad = flat[offset: offset + g.numel()].view_as(p).to(p.dtype)
@@ -60,11 +61,16 @@ class Group:
         if self.world == 1:
             return
         mine = torch.stack([p.detach().double().sum() for p in params])
-        low, high = mine.clone(), mine.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        low, high = self._reduced(mine, dist.ReduceOp.MIN), self._reduced(mine, dist.ReduceOp.MAX)
         if not torch.equal(low, high):
             raise RuntimeError("data-parallel training: the drafter replicas differ between workers")
+
+    @staticmethod
+    def _reduced(tensor: torch.Tensor, op) -> torch.Tensor:
+        """An all-reduced copy, on the CPU under gloo (its GPU support does not cover every operation)."""
+        tensor = tensor.to("cpu", copy=True) if dist.get_backend() == "gloo" else tensor.clone()
+        dist.all_reduce(tensor, op=op)
+        return tensor
 
 
 def worker_device(rank: int, device: torch.device) -> torch.device:
