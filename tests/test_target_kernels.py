@@ -50,6 +50,13 @@ def test_decode_attention_matches_sdpa(groups, dim, position, kv_len):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_attention_spreads_short_spans_over_more_programs():
+    from deepflash.models.decode_kernel import chunk_for
+
+    assert chunk_for(512, 3) == 16  # 32 splits x 3 kv heads: 96 programs, not 6
+    assert chunk_for(8192, 3) == 256 and chunk_for(8, 1) == 16
+
+
 def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract():
     """Greedy speculative == greedy plain with the target on its Triton kernels (on the GPU also under
     CUDA graphs); the plain reference runs on the torch kernels of the same shared target."""

@@ -2,7 +2,7 @@
 
 SDPA serves a decode step with cuDNN's flash kernel at 10-14 us per layer, 22% of the SmolLM2-135M-
 shaped step and 9% of the Qwen3-8B-shaped one (profile_step.py, BENCHMARKS.md). Here each program
-takes one key/value head's G query heads and one CHUNK of keys, and keeps a running softmax over
+takes one key/value head's G query heads and one chunk of keys (chunk_for), and keeps a running softmax over
 them in float32; a second kernel merges the chunks. Keys past the query's position (the rest of the
 CUDA-graph bucket) are masked. Opt-in with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1`
 runs it on the CPU for the tests.
@@ -20,8 +20,16 @@ try:
 except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
-CHUNK = 256  # keys per program
+MAX_CHUNK = 256  # keys per program at most
+PROGRAMS = 128  # programs a step should spread over: about one per SM of an H100 / H200 (132)
 TILE = 8192  # score x value elements a program holds per loop iteration (query rows x keys x head dim)
+
+
+def chunk_for(kv_len: int, rows: int) -> int:
+    """Keys per program: small enough that rows (batch x kv heads) x splits fill the GPU. With a fixed 256,
+    a 512-key span of a 3-kv-head model ran on 6 programs (the fifth session's profile found the
+    kernels slower than cuDNN's at such spans)."""
+    return max(16, min(MAX_CHUNK, triton.next_power_of_2(triton.cdiv(kv_len * rows, PROGRAMS))))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
@@ -31,12 +39,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, heads, _, dim = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
-    splits = triton.cdiv(kv_len, CHUNK)
+    chunk = chunk_for(kv_len, b * kv_heads)
+    splits = triton.cdiv(kv_len, chunk)
     group_pad = triton.next_power_of_2(groups)
     partial = torch.empty((b * kv_heads, splits, group_pad, dim + 2), dtype=torch.float32, device=q.device)
-    block = min(CHUNK, max(16, TILE // (group_pad * dim)))  # keys per loop iteration
+    block = min(chunk, max(16, TILE // (group_pad * dim)))  # keys per loop iteration
     _chunk[(b * kv_heads, splits)](q.contiguous(), k_cache, v_cache, position, partial, kv_len, k_cache.shape[2],
-                                   1.0 / math.sqrt(dim), GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, CHUNK=CHUNK,
+                                   1.0 / math.sqrt(dim), GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, CHUNK=chunk,
                                    BLOCK=block)
     out = torch.empty_like(q)
     _merge[(b * kv_heads,)](partial, out, splits, GROUPS=groups, GROUP_PAD=group_pad, DIM=dim,
