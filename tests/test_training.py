@@ -276,6 +276,67 @@ def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_pa
         torch.testing.assert_close(b, w, rtol=1e-4, atol=1e-6)
 
 
+def test_distillation_reads_the_target_distribution_that_predicts_each_label(dataset, tmp_path):
+    """--distill: the teacher of the token at p is the target's output at p - 1 (no shift either way),
+    and its KL loss is CE minus the target's entropy, per label."""
+    from deepflash.train.trainer import _head_loss
+
+    target, tok, data, _ = dataset
+    trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=1, taps=2, block_size=4, steps=1,
+                                  anchors=64, attention="sdpa", mask_token_id=95, distill=True), target, tok,
+                      torch.device("cpu"))
+    seq = trainer.train_seqs[0]
+    tokens = seq.tokens[None]
+    _, final = trainer._target_pass(tokens, final=True)
+    cache = target.new_cache(1, tokens.shape[1])
+    logits, _ = target(tokens, torch.arange(tokens.shape[1]), cache, tokens.shape[1], logits="all")
+    torch.testing.assert_close(target.project(final, "all"), logits, rtol=1e-4, atol=1e-4)
+
+    hidden = torch.randn(3, 2, target.cfg.hidden_size)
+    labels = torch.randint(5, 90, (3, 2))
+    w, valid = torch.ones(3, 2), torch.ones(3, 2, dtype=torch.bool)
+    teacher = final[0, :6].view(3, 2, -1)
+    kl, _ = _head_loss(trainer.drafter, target, hidden, labels, w, valid, teacher)
+    log_q = torch.log_softmax(trainer.drafter.logits(hidden, target.lm_head).float(), -1)
+    log_p = torch.log_softmax(target.project(teacher, "all").float(), -1)
+    cross, entropy = -(log_p.exp() * log_q).sum(-1), -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(kl, (cross - entropy).sum(), rtol=1e-4, atol=1e-4)
+
+
+def test_distillation_teachers_predict_the_labels_of_greedy_data(tmp_path):
+    """On responses the target wrote greedily, the teacher distribution of every label has that label
+    as its argmax: labels and teachers line up (a shift by one position either way breaks this)."""
+    from deepflash.train.trainer import labelled, teacher_states
+
+    target, tok = tiny_target(dtype=torch.float32), tiny_tokenizer()
+    tasks = [Task("test", "x", [{"role": "user", "content": " ".join(f"w{i}" for i in range(5, 5 + n))}])
+             for n in (12, 30)]
+    build_dataset(target, tok, tasks, tmp_path / "data", max_new_tokens=20, max_len=120, sampled_fraction=0.0)
+    trainer = Trainer(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), layers=1, taps=2,
+                                  block_size=4, steps=1, anchors=64, attention="sdpa", mask_token_id=95,
+                                  distill=True, pad_to=0, eval_fraction=0.0), target, tok, torch.device("cpu"))
+    tokens, lengths, loss_mask, anchors, real = trainer._batch_inputs(trainer.train_seqs)
+    _, final = trainer._target_pass(tokens, final=True)
+    valid, label_pos = labelled(anchors, lengths, loss_mask, real, 4)
+    predicted = target.project(teacher_states(final, label_pos), "all").argmax(-1).view_as(valid)
+    labels = tokens.gather(1, label_pos).view_as(valid)
+    assert valid.sum() > 20 and torch.equal(predicted[valid], labels[valid])
+
+
+def test_distillation_trains_a_working_drafter(dataset, tmp_path):
+    target, tok, data, _ = dataset
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, anchors=16,
+                     steps=30, lr=3e-3, batch_tokens=400, eval_every=1000, ckpt_every=1000, eval_fraction=0.25,
+                     attention="sdpa", mask_token_id=95, distill=True)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    first = trainer.evaluate()["eval_loss"]
+    folder = trainer.run()
+    assert trainer.progress.history[-1]["eval_loss"] < first - 0.1
+    prompt, params = [5, 9, 22, 31], SamplingParams(max_new_tokens=12)
+    spec = Engine(target, tok, load_drafter(folder), spec="on").complete(prompt, params)
+    assert spec.token_ids == Engine(target, tok).complete(prompt, params).token_ids
+
+
 def test_data_parallel_workers_train_one_drafter(dataset, tmp_path):
     """--workers 2 on the CPU (gloo): the workers end on the same step with identical replicas (the run
     raises otherwise), and the lead's export keeps the greedy contract."""

@@ -56,6 +56,10 @@ def register(sub) -> None:
     train.add_argument("--cudnn-attention", action="store_true",
                        help="let SDPA use cuDNN attention, which plans anew for every sequence length (9x slower "
                             "training steps on an H200)")
+    train.add_argument("--distill", action="store_true",
+                       help="train each block position on the KL divergence from the target's own next-token "
+                            "distribution there (the frozen target computes it anyway) instead of CE on the "
+                            "data's token; sampled responses then teach what the target would pick")
     train.add_argument("--workers", type=int, default=1,
                        help="data-parallel training processes, averaging gradients every step; they take the GPUs "
                             "round-robin, and several on one GPU still help, since a step is mostly host work")
@@ -115,7 +119,7 @@ def cmd_train(args) -> None:
                      anchors=args.anchors, lr=args.lr, steps=args.steps, max_minutes=args.max_minutes,
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
-                     cudnn_attention=args.cudnn_attention, pad_to=args.pad_to,
+                     cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
                      device=args.device)
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

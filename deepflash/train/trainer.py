@@ -6,6 +6,10 @@ context = features strictly before a, blocks isolated from each other, all in on
 (masks.py) that serves a whole batch of right-padded sequences (in parts, Trainer._parts). Block
 position k is trained against the token at a + k (same-position labels) with weight exp(-(k-1)/gamma);
 a step's loss is the batch's weighted mean, so that the gradient clip of 1.0 only trims outliers.
+--distill replaces the CE on the data's token with the KL divergence from the target's own distribution
+for that token (computed at the position before it, from the final normed states the feature pass
+produces anyway): sampled responses then teach what the target would pick, and every label carries
+the whole distribution rather than one token.
 AdamW, warmup then cosine over the step or time budget, gradient clipping, bf16 autocast,
 checkpoint/resume, JSON-lines log, export in the z-lab format.
 
@@ -82,6 +86,7 @@ class TrainConfig:
     grow_layers: int = 0  # with init_from: full-attention layers appended as identities (zeroed output projections)
     cudnn_attention: bool = False  # True: SDPA may use cuDNN attention, which plans per shape (9x slower steps)
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
+    distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -167,12 +172,14 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
 
 
 def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask, anchors, real, weights,
-               attention: str):
+               attention: str, final=None):
     """Decay-weighted CE of a batch of sequences' packed anchor blocks, in one forward; returns (loss,
     weight sum, per-k hits, per-k counts). tokens / loss_mask [b, L] and feats [b, L, F] are padded
     past each sequence's length (padding is never visible: context is strictly before an anchor);
     anchors [b, A] are each sequence's anchors, of which the first `real` [b] count (the rest pad the
-    rows to one length and carry no loss)."""
+    rows to one length and carry no loss). With the target's final normed states final [b, L, H], the
+    loss is instead the KL divergence from the target's next-token distribution at each label, the
+    one it computes at the position before (--distill)."""
     cfg = drafter.cfg
     size, (b, ctx_len) = cfg.block_size, feats.shape[:2]
     device = tokens.device
@@ -187,9 +194,11 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     valid, label_pos = labelled(anchors, lengths, loss_mask, real, size)
     labels = tokens.gather(1, label_pos).view_as(valid)
     w = weights * valid
+    teacher = None if final is None else teacher_states(final, label_pos)
     # the LM head per sequence, recomputed in the backward pass: the logits of a whole batch
     # (b x A x (B-1) x vocab in float32) would take tens of GB
-    losses, hits = zip(*(checkpoint(_head_loss, drafter, target.lm_head, hidden[i], labels[i], w[i], valid[i],
+    losses, hits = zip(*(checkpoint(_head_loss, drafter, target, hidden[i], labels[i], w[i], valid[i],
+                                    None if teacher is None else teacher[i].view(*labels[i].shape, -1),
                                     use_reentrant=False) for i in range(b)))
     return sum(losses), w.sum(), sum(hits), valid.sum((0, 1))
 
@@ -205,11 +214,25 @@ def labelled(anchors, lengths, loss_mask, real, size: int):
     return valid, label_pos
 
 
-def _head_loss(drafter: DFlashDrafter, lm_head, hidden, labels, w, valid):
-    """One sequence's weighted CE sum and per-k hits from its block hidden states [A, B-1, H]."""
-    logits = drafter.logits(hidden, lm_head)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    return (ce * w).sum(), ((logits.argmax(-1) == labels) & valid).sum(0)
+def teacher_states(final: torch.Tensor, label_pos: torch.Tensor) -> torch.Tensor:
+    """The target's final states [b, n, H] whose distributions predict the labels at label_pos [b, n]:
+    those of the positions before them (the target predicts the token at p from position p - 1)."""
+    return final.gather(1, (label_pos - 1)[:, :, None].expand(-1, -1, final.shape[-1]))
+
+
+def _head_loss(drafter: DFlashDrafter, target, hidden, labels, w, valid, teacher=None):
+    """One sequence's weighted loss sum and per-k hits (against the data's tokens) from its block hidden
+    states [A, B-1, H]: CE on the labels, or with the target's final states at the positions before
+    them, teacher [A, B-1, H], KL(target || drafter)."""
+    logits = drafter.logits(hidden, target.lm_head)
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    if teacher is None:
+        loss = -log_q.gather(-1, labels[..., None])[..., 0]
+    else:
+        with torch.no_grad():
+            log_p = F.log_softmax(target.project(teacher, "all").float(), dim=-1)
+        loss = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (loss * w).sum(), ((logits.argmax(-1) == labels) & valid).sum(0)
 
 
 def output_norm_gain(target) -> torch.Tensor:
@@ -316,12 +339,22 @@ class Trainer:
     # --- one step -----------------------------------------------------------------------------------
     def _raw_features(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tap-layer features of right-padded sequences [b, L] (padding after a sequence cannot affect it)."""
+        return self._target_pass(tokens)[0]
+
+    def _target_pass(self, tokens: torch.Tensor, final: bool = False):
+        """The frozen target over right-padded sequences [b, L]: tap-layer features and, if `final`, its
+        final normed states (the last layer's capture), which --distill turns into its distributions."""
         b, length = tokens.shape
+        last = self.target.cfg.num_layers - 1
+        capture = [*self.cfg.target_layer_ids, *([last] if final else [])]
         with torch.no_grad(), self._autocast():
             cache = self.target.new_cache(b, length)
-            _, feats = self.target(tokens, torch.arange(length, device=self.device), cache, length,
-                                   capture=self.cfg.target_layer_ids, logits="none")
-        return feats
+            _, states = self.target(tokens, torch.arange(length, device=self.device), cache, length,
+                                    capture=capture, logits="none")
+        if not final:
+            return states, None
+        width = self.target.cfg.hidden_size
+        return states[..., :-width], states[..., -width:]
 
     def _measure_feature_scale(self, sample: list[Sequence]) -> torch.Tensor:
         """1 / per-channel RMS of the features over a sample, skipping position 0 (the attention sink
@@ -383,10 +416,10 @@ class Trainer:
         for tokens, lengths, loss_mask, anchors, real in parts:
             if anchors is None:  # no response token to learn from
                 continue
-            feats = self._raw_features(tokens) * self.feature_scale
+            feats, final = self._target_pass(tokens, final=self.tc.distill)
             with self._autocast(), torch.set_grad_enabled(train):
-                loss, w, h, c = block_loss(self.drafter, self.target, tokens, lengths, feats, loss_mask, anchors,
-                                           real, self.weights, attention or self.attention)
+                loss, w, h, c = block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale,
+                                           loss_mask, anchors, real, self.weights, attention or self.attention, final)
             if train:
                 (loss / batch_weight).backward()  # frees this part's graph before the next
             total, weight, hits, counts = total + loss.detach(), weight + w, hits + h, counts + c
