@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ring_kernels
 from ..errors import UserError
 from ..features import FeatureRing
 from ..quant import FORMATS
@@ -74,8 +75,6 @@ def run(args) -> dict:
         for fmt in names:
             results[f"{fmt} {kernels}"] = measure(device, bandwidth, fmt, args, kernels)
     for groups, warps in shapes:
-        from .. import ring_kernels
-
         with ring_kernels.shape_override(groups, warps):
             for fmt in FORMATS:
                 results[f"{fmt} triton {groups}x{warps}"] = measure(device, bandwidth, fmt, args, "triton")

@@ -135,8 +135,7 @@ def run(args) -> dict:
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
             target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
-        "deepflash plain" + TRITON_KERNELS: lambda: Engine(target, tok, max_ctx=ctx,
-                                                                    target_kernels="triton"),
+        "deepflash plain" + TRITON_KERNELS: lambda: Engine(target, tok, max_ctx=ctx, target_kernels="triton"),
         "deepflash dflash (spec auto)" + TRITON_KERNELS: lambda: Engine(
             target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="triton"),
         "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),

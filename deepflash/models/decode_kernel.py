@@ -1,11 +1,11 @@
 """Attention of a one-token decode step in Triton (split over the keys, then one reduction).
 
 SDPA serves a decode step with cuDNN's flash kernel at 10-14 us per layer, 22% of the SmolLM2-135M-
-shaped step and 9% of the Qwen3-8B-shaped one (profile_step.py, BENCHMARKS.md). Here each program
-takes one key/value head's G query heads and one chunk of keys (chunk_for), and keeps a running softmax over
+shaped step and 9% of the Qwen3-8B-shaped one (profile_step.py, BENCHMARKS.md). Here each program takes
+one key/value head's G query heads and one chunk of keys (chunk_for), and keeps a running softmax over
 them in float32; a second kernel merges the chunks. Keys past the query's position (the rest of the
-CUDA-graph bucket) are masked. Opt-in with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1`
-runs it on the CPU for the tests.
+CUDA-graph bucket) are masked. Opt-in with rope_kernel.py (TargetModel.use_kernels);
+`TRITON_INTERPRET=1` runs it on the CPU for the tests.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ TILE = 8192  # score x value elements a program holds per loop iteration (query 
 
 def chunk_for(kv_len: int, rows: int) -> int:
     """Keys per program: small enough that rows (batch x kv heads) x splits fill the GPU. With a fixed 256,
-    a 512-key span of a 3-kv-head model ran on 6 programs (the fifth session's profile found the
-    kernels slower than cuDNN's at such spans)."""
+    a 512-key span of a 3-kv-head model ran on 6 programs (the fifth session's profile, at spans up to
+    512, found the Triton target kernels slower than torch's)."""
     return max(16, min(MAX_CHUNK, triton.next_power_of_2(triton.cdiv(kv_len * rows, PROGRAMS))))
 
 

@@ -62,7 +62,7 @@ def register(sub) -> None:
                             "data's token; sampled responses then teach what the target would pick")
     train.add_argument("--workers", type=int, default=1,
                        help="data-parallel training processes, averaging gradients every step; they take the GPUs "
-                            "round-robin, and several on one GPU still help, since a step is mostly host work")
+                            "round-robin (several may share one, to overlap the steps' host work)")
     train.add_argument("--norm-lr-scale", type=float, default=1.0,
                        help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
                             "end up, and AdamW moves them by about lr per step)")

@@ -2,10 +2,11 @@
 
 N worker processes each hold the frozen target and a replica of the drafter, train on their own share
 of the sequences, and average their gradients every step, so every replica takes the same optimizer
-step. A training step is mostly host work (BENCHMARKS.md: ~0.2 s per step on an H200, the GPU busy for
-a fraction of it), so workers pay off on one GPU too: they take the GPUs round-robin. NCCL carries the
-averages when each worker has a GPU of its own; gloo otherwise (NCCL refuses two workers on one GPU,
-and the CPU has only gloo).
+step. They take the GPUs round-robin, several sharing one if there are more workers than GPUs: the
+third session's profile found a training step mostly host work (BENCHMARKS.md), which several processes
+can overlap; how much that gains on one GPU is not measured yet. NCCL carries the averages when each
+worker has a GPU of its own; gloo otherwise (NCCL refuses two workers on one GPU, and the CPU has only
+gloo).
 
 One all-reduce per step carries the gradients, the step's tokens and each worker's share of the
 budget before and after the step; the mean shares are the common clock that sets the learning rate and

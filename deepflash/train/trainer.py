@@ -194,11 +194,11 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     valid, label_pos = labelled(anchors, lengths, loss_mask, real, size)
     labels = tokens.gather(1, label_pos).view_as(valid)
     w = weights * valid
-    teacher = None if final is None else teacher_states(final, label_pos)
+    teacher = None if final is None else teacher_states(final, label_pos).view(*valid.shape, -1)
     # the LM head per sequence, recomputed in the backward pass: the logits of a whole batch
     # (b x A x (B-1) x vocab in float32) would take tens of GB
     losses, hits = zip(*(checkpoint(_head_loss, drafter, target, hidden[i], labels[i], w[i], valid[i],
-                                    None if teacher is None else teacher[i].view(*labels[i].shape, -1),
+                                    None if teacher is None else teacher[i],
                                     use_reentrant=False) for i in range(b)))
     return sum(losses), w.sum(), sum(hits), valid.sum((0, 1))
 
