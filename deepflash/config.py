@@ -312,7 +312,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode steps (fewer, fused kernels; minutes of compiling)
     reserve_mb: int = 1024  # device memory --max-ctx auto leaves free
     ring_kernels: str = "auto"  # feature-ring encode/decode: auto, torch, compile, triton (features.py)
-    target_kernels: str = "torch"  # or triton: the target's Triton kernels (TargetModel.use_kernels)
+    target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels
 
     def validated(self) -> EngineConfig:
         from .features import RING_KERNELS

@@ -105,7 +105,7 @@ class Engine:
                  max_ctx: int | None = None, block_size: int | None = None, feature_dtype: str = "f32",
                  feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
                  prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False,
-                 ring_kernels: str = "auto", target_kernels: str = "torch"):
+                 ring_kernels: str = "auto", target_kernels: str = "auto"):
         target.use_kernels(target_kernels)  # checks the choice; set again per request (generate)
         self.target_kernels = target_kernels
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter

@@ -128,9 +128,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true", help="torch.compile the decode steps (slow first call)")
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
                    help="feature-ring kernels (auto: triton on CUDA, else torch; compiled with --compile)")
-    g.add_argument("--target-kernels", default="torch", choices=list(TARGET_KERNELS),
-                   help="triton: fused q/k norm + rope + cache write, decode attention, residual add + norm and "
-                        "SwiGLU in Triton (llama-family targets; not yet measured to pay)")
+    g.add_argument("--target-kernels", default="auto", choices=list(TARGET_KERNELS),
+                   help="triton: fused q/k norm + rope + cache write, decode and verify attention, residual add + "
+                        "norm and SwiGLU in Triton (llama-family targets); auto: triton on CUDA, else torch")
 
 
 def _max_ctx(value: str) -> int | str:

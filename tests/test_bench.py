@@ -3,15 +3,15 @@
 import pytest
 
 from deepflash.bench.rings import parse_shape
-from deepflash.bench.speed import TRITON_KERNELS, plain_of
+from deepflash.bench.speed import TORCH_KERNELS, plain_of
 from deepflash.errors import UserError
 
 
 def test_each_system_is_checked_against_plain_decode_on_its_own_kernels():
     assert plain_of("deepflash dflash (spec auto)") == "deepflash plain"
-    assert plain_of("deepflash dflash (spec auto)" + TRITON_KERNELS) == "deepflash plain" + TRITON_KERNELS
+    assert plain_of("deepflash dflash (spec auto)" + TORCH_KERNELS) == "deepflash plain" + TORCH_KERNELS
     # plain on Triton's kernels against plain on torch's: where bf16 rounding differs, this shows it
-    assert plain_of("deepflash plain" + TRITON_KERNELS) == "deepflash plain"
+    assert plain_of("deepflash plain" + TORCH_KERNELS) == "deepflash plain"
 
 
 def test_ring_shapes_parse_or_explain():

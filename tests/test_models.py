@@ -152,3 +152,19 @@ def test_moving_a_fused_model_moves_its_fused_projections():
     fused = attn.qkv[0]
     assert fused.dtype == torch.float64
     assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
+def test_auto_target_kernels_pick_torch_off_cuda_and_refuse_unknown_kinds():
+    """'auto' means each target class's measured-faster set on CUDA (LlamaModel: Triton); elsewhere torch."""
+    from helpers import llama_config
+
+    from deepflash.errors import UserError
+    from deepflash.models import random_model
+    from deepflash.models.base import TargetModel
+    from deepflash.models.llama import LlamaModel
+
+    assert LlamaModel.auto_kernels == "triton" and TargetModel.auto_kernels == "torch"
+    target = random_model(llama_config(), "cpu", torch.float32).use_kernels("auto")
+    assert {m.kernels for m in target.modules() if hasattr(m, "kernels")} == {"torch"}
+    with pytest.raises(UserError, match="target kernels must be one of"):
+        target.use_kernels("cuda")

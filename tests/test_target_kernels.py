@@ -33,48 +33,68 @@ def test_triton_kernels_match_torch_in_the_model(qk_norm, partial):
 
 
 @pytest.mark.parametrize("groups,dim", [(3, 64), (4, 128), (1, 16)])
-@pytest.mark.parametrize("position,kv_len", [(0, 8), (70, 80), (300, 512), (599, 600)])
-def test_decode_attention_matches_sdpa(groups, dim, position, kv_len):
-    """One query per head over keys 0..position of a cache span kv_len (the rest of a CUDA-graph bucket
-    is masked), against SDPA."""
+@pytest.mark.parametrize("position,tokens,kv_len", [(0, 1, 8), (70, 1, 80), (300, 1, 512), (599, 1, 600),
+                                                    (70, 5, 80), (290, 16, 320)])
+def test_decode_attention_matches_sdpa(groups, dim, position, tokens, kv_len):
+    """Queries at positions position.. over keys 0..their position of a cache span kv_len (the rest of a
+    CUDA-graph bucket is masked), against SDPA."""
     from deepflash.models.decode_kernel import decode_attention
 
     gen = torch.Generator().manual_seed(position)
     kv_heads, slots = 2, 640
-    q = torch.randn(1, kv_heads * groups, 1, dim, generator=gen).to(DEVICE)
+    q = torch.randn(1, kv_heads * groups, tokens, dim, generator=gen).to(DEVICE)
     k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE) for _ in range(2))
-    got = decode_attention(q, k, v, torch.tensor([position], device=DEVICE), kv_len)
-    keys = k[:, :, : position + 1].repeat_interleave(groups, dim=1)
-    values = v[:, :, : position + 1].repeat_interleave(groups, dim=1)
-    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+    positions = torch.arange(position, position + tokens, device=DEVICE)
+    got = decode_attention(q, k, v, positions, kv_len)
+    end = position + tokens
+    keys, values = (c[:, :, :end].repeat_interleave(groups, dim=1) for c in (k, v))
+    visible = torch.arange(end, device=DEVICE)[None, :] <= positions[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_attention_spreads_short_spans_over_more_programs():
-    from deepflash.models.decode_kernel import chunk_for
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
+    """Each query of a multi-token step equals, bit for bit, a one-token step at its position, whatever
+    the cache span (CUDA-graph buckets differ between the two): what keeps greedy speculative decoding
+    equal to plain decoding under bf16 rounding."""
+    from deepflash.models.decode_kernel import CHUNK, MERGE_TILE, decode_attention
 
-    assert chunk_for(512, 3) == 16  # 32 splits x 3 kv heads: 96 programs, not 6
-    assert chunk_for(8192, 3) == 256 and chunk_for(8, 1) == 16
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, groups, dim, slots = 1, 3, 16, CHUNK * MERGE_TILE * 2 + 64  # spans of one and of several merge tiles
+    k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    for first, tokens, span in [(5, 16, 32), (CHUNK * MERGE_TILE - 2, 4, slots)]:
+        q = torch.randn(1, kv_heads * groups, tokens, dim, generator=gen).to(DEVICE, dtype)
+        block = decode_attention(q, k, v, torch.arange(first, first + tokens, device=DEVICE), span)
+        for i in range(tokens):
+            alone = decode_attention(q[:, :, i : i + 1].contiguous(), k, v,
+                                     torch.tensor([first + i], device=DEVICE), first + i + 1 + 7 * i)
+            assert torch.equal(block[:, :, i : i + 1], alone), (first, i)
 
 
-def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     """Greedy speculative == greedy plain with the target on its Triton kernels (on the GPU also under
-    CUDA graphs); the plain reference runs on the torch kernels of the same shared target."""
+    CUDA graphs), against plain decode on the same kernels; in float32 also on torch's kernels (in bf16
+    the two kernel sets may round apart: that is why verify and decode share one attention kernel)."""
     from helpers import drafter_config, tiny_drafter, tiny_tokenizer
 
     from deepflash.engine import Engine
     from deepflash.models import materialize
     from deepflash.sampling import SamplingParams
 
-    target = random_model(llama_config(), DEVICE, torch.float32, std=0.2)
-    drafter = materialize(tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).to(DEVICE), DEVICE)
+    target = random_model(llama_config(), DEVICE, dtype, std=0.2)
+    drafter = materialize(tiny_drafter(drafter_config(target.cfg), dtype=dtype).to(DEVICE), DEVICE)
     tokenizer = tiny_tokenizer()
     ids = torch.randint(5, 90, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     params = SamplingParams(max_new_tokens=24)
     spec = Engine(target, tokenizer, drafter, spec="on", target_kernels="triton").complete(ids, params)
-    plain = Engine(target, tokenizer).complete(ids, params)
-    assert target.model.layers[0].self_attn.kernels == "torch"  # the last request's engine set it
+    plain = Engine(target, tokenizer, target_kernels="triton").complete(ids, params)
     assert spec.token_ids == plain.token_ids
+    if dtype == torch.float32:
+        torch_plain = Engine(target, tokenizer, target_kernels="torch").complete(ids, params)
+        assert target.model.layers[0].self_attn.kernels == "torch"  # the last request's engine set it
+        assert torch_plain.token_ids == plain.token_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

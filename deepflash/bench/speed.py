@@ -21,7 +21,7 @@ from .prompts import depth_prompts, humaneval_messages
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
-TRITON_KERNELS = " + Triton target kernels"  # the suffix of the systems run with --target-kernels triton
+TORCH_KERNELS = " + torch target kernels"  # the suffix of the systems run with --target-kernels torch
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: SamplingParams) -> dict:
@@ -94,7 +94,7 @@ def random_engine(shape: dict, device: torch.device | str, **engine_args) -> Eng
 
 
 def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, max_new: int = 128,
-                 kernels: str = "torch") -> dict:
+                 kernels: str = "auto") -> dict:
     """Plain decode of a random-weight Qwen3-8B-shaped bf16 model; MBU = bytes read per step x tok/s /
     copy bandwidth (bytes read: weights a decode step touches plus the KV span attended)."""
     engine = random_engine(QWEN3_8B, device, target_kernels=kernels)
@@ -114,9 +114,8 @@ def run(args) -> dict:
     bandwidth = copy_bandwidth(device)
     if args.part == "mbu":
         results = {"qwen3-8b-shaped plain decode": qwen3_8b_mbu(device, bandwidth)}
-        if device.type == "cuda":
-            results["qwen3-8b-shaped plain decode, Triton target kernels"] = qwen3_8b_mbu(device, bandwidth,
-                                                                                           kernels="triton")
+        if device.type == "cuda":  # the default there is Triton's kernels
+            results["qwen3-8b-shaped plain decode" + TORCH_KERNELS] = qwen3_8b_mbu(device, bandwidth, kernels="torch")
         table("Qwen3-8B-shaped random bf16 target, plain decode", ["system", "tok/s", "bytes/step", "MBU"],
               [[name, r["decode_tok_per_s"], r["bytes_per_step"], r["mbu"]] for name, r in results.items()])
         return finish({"bench": "speed", "part": "mbu", **environment(device), "copy_bandwidth_gb_s": bandwidth,
@@ -135,9 +134,9 @@ def run(args) -> dict:
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
             target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
-        "deepflash plain" + TRITON_KERNELS: lambda: Engine(target, tok, max_ctx=ctx, target_kernels="triton"),
-        "deepflash dflash (spec auto)" + TRITON_KERNELS: lambda: Engine(
-            target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="triton"),
+        "deepflash plain" + TORCH_KERNELS: lambda: Engine(target, tok, max_ctx=ctx, target_kernels="torch"),
+        "deepflash dflash (spec auto)" + TORCH_KERNELS: lambda: Engine(
+            target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="torch"),
         "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),
         "deepflash dflash compiled": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on", compile=True),
     }
@@ -148,7 +147,7 @@ def run(args) -> dict:
     }
     wanted = {name.strip() for name in args.systems.split(",")} if args.systems else \
         {name for name in [*engines, *transformers_runs]
-         if "compiled" not in name and ("Triton" not in name or device.type == "cuda")}
+         if "compiled" not in name and (TORCH_KERNELS not in name or device.type == "cuda")}
     unknown = wanted - set(engines) - set(transformers_runs)
     if unknown:
         raise UserError(f"--systems: unknown {sorted(unknown)}; choose from {[*engines, *transformers_runs]}")
@@ -191,7 +190,7 @@ def run(args) -> dict:
                      ratio if ratio is not None else "-", r.get("acceptance_length", "-"), r.get("mbu", "-"),
                      f"{r['same_output_as_our_plain']}/{len(prompts)}" if "same_output_as_our_plain" in r else "-"])
     table(f"speed: {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy; outputs compared with our "
-          f"plain decode on the same target kernels (plain on Triton kernels: with plain on torch's)",
+          f"plain decode on the same target kernels (plain on torch's kernels: with plain on the default ones)",
           ["system", "tok/s", "vs our plain", "AL", "MBU", "same output as our plain"], rows)
     record = {"bench": "speed", **environment(device), "copy_bandwidth_gb_s": bandwidth, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "results": results}
@@ -200,9 +199,9 @@ def run(args) -> dict:
 
 def plain_of(name: str) -> str:
     """The plain decode a system's greedy output must equal: the one on the same target kernels. Plain
-    on Triton's kernels is compared with plain on torch's: bf16 rounding may differ between them."""
-    if name.endswith(TRITON_KERNELS) and name != "deepflash plain" + TRITON_KERNELS:
-        return "deepflash plain" + TRITON_KERNELS
+    on torch's kernels is compared with plain on the default ones: bf16 rounding may differ between them."""
+    if name.endswith(TORCH_KERNELS) and name != "deepflash plain" + TORCH_KERNELS:
+        return "deepflash plain" + TORCH_KERNELS
     return "deepflash plain"
 
 

@@ -9,11 +9,13 @@ from ..config import ModelConfig
 from ..errors import UserError
 
 
-TARGET_KERNELS = ("torch", "triton")  # TargetModel.use_kernels
+TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
 
 
 class TargetModel(nn.Module):
     """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
+
+    auto_kernels = "torch"  # what use_kernels("auto") picks on CUDA: a subclass's measured-faster set
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -38,15 +40,18 @@ class TargetModel(nn.Module):
         return self
 
     def use_kernels(self, kind: str) -> TargetModel:
-        """'torch' (default) or 'triton': the layers that have a Triton form use it (rope_kernel.py for
-        q/k norm, rope and the cache write; decode_kernel.py for one-token steps' attention;
+        """'auto' (on CUDA the target class's auto_kernels, else torch), 'torch' or 'triton': with
+        'triton' the layers that have a Triton form use it (rope_kernel.py for
+        q/k norm, rope and the cache write; decode_kernel.py for decode and verify steps' attention;
         layer_kernels.py for the residual add + norm and SwiGLU's silu * up)."""
         if kind not in TARGET_KERNELS:
             raise UserError(f"target kernels must be one of {', '.join(TARGET_KERNELS)}, got {kind!r}")
-        layers = [module for module in self.modules() if hasattr(module, "kernels")]
-        if kind == "triton":
-            from .rope_kernel import available
+        from .rope_kernel import available
 
+        layers = [module for module in self.modules() if hasattr(module, "kernels")]
+        if kind == "auto":
+            kind = self.auto_kernels if self.device.type == "cuda" and available() else "torch"
+        if kind == "triton":
             if not available():
                 raise UserError("target kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
             if not layers:

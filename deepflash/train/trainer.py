@@ -527,13 +527,14 @@ class Trainer:
                         self._save_checkpoint()
                     if self.finished:
                         break
+        if lead:
+            self._log_eval(log)
+            self._save_checkpoint()
+            log.close()
+            self.export(self.out / "drafter")
+        # after the export, so that a drift (a bug, never seen) fails the run without losing the lead's drafter
         self.group.check_replicas(list(self.drafter.parameters()))
-        if not lead:
-            return self.out / "drafter"
-        self._log_eval(log)
-        self._save_checkpoint()
-        log.close()
-        return self.export(self.out / "drafter")
+        return self.out / "drafter"
 
     def _log_eval(self, log) -> None:
         record = {"step": self.progress.step, **self.evaluate()}

@@ -40,6 +40,15 @@ stage() {  # stage NAME COMMAND...
   return $rc
 }
 
+# MORE_DATA_GPU1 (generate arguments) answers more prompts on a second GPU while the first one
+# measures; its shards join the data before training
+if [ -n "${MORE_DATA_GPU1:-}" ]; then
+  echo "=== $(date +%T) datagen-gpu1: start (background)"
+  ( CUDA_VISIBLE_DEVICES=1 deepflash train-drafter generate --device $DEVICE --out $DATA-gpu1 $MORE_DATA_GPU1 \
+      > "$R/datagen-gpu1.log" 2>&1; echo "=== $(date +%T) datagen-gpu1: rc=$?" ) &
+  GPU1_DATA=$!
+fi
+
 # measurements that need a quiet GPU first; each is switched on by its variable (1 = run)
 if [ "$DEVICE" = cuda ]; then
   [ "${PROFILE:-0}" = 1 ] && stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json
@@ -61,11 +70,20 @@ else
   NEW_DATA=1
 fi
 # MORE_DATA (generate arguments, e.g. "--count 6000 --seed 1") adds shards to the carried or new data
+adopt() {  # adopt FOLDER NAME: move a generate run's shards into the data under names no earlier run used
+  local tag=$2-$(date +%s)
+  for f in $1/shard-*.safetensors; do mv "$f" "$DATA/shard-$tag-${f##*/shard-}"; done
+  cp $1/summary.json $R/data-$2-summary.json
+  NEW_DATA=1
+}
 if [ -n "${MORE_DATA:-}" ]; then
   stage datagen-more deepflash train-drafter generate --device $DEVICE --out $DATA-more $MORE_DATA
-  for f in $DATA-more/shard-*.safetensors; do mv "$f" "$DATA/shard-m${SEED_TAG:-1}-$(basename "${f#*shard-}")"; done
-  cp $DATA-more/summary.json $R/data-more-summary.json
-  NEW_DATA=1
+  adopt $DATA-more more
+fi
+if [ -n "${GPU1_DATA:-}" ]; then
+  wait $GPU1_DATA
+  tail -n 2 "$R/datagen-gpu1.log"
+  adopt $DATA-gpu1 gpu1
 fi
 # collect.sh brings the shards back, so later sessions can skip datagen
 [ -n "${NEW_DATA:-}" ] && tar czf $ROOT/data.tgz -C $DATA . && echo "=== $(date +%T) data packed: $(du -h $ROOT/data.tgz)"

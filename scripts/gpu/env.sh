@@ -4,3 +4,5 @@ export DEEPFLASH_CACHE=/root/cache
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 deepflash() { python3 -m deepflash.cli "$@"; }
+# multi-GPU machines: NVLink multicast stays off (the device README: it can take the host's GPUs down)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -55,14 +55,14 @@ def main():
     prompt = list(range(100, 356))
     record = {}
     for name, shape in [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]:
-        eager = random_engine(shape, args.device, cuda_graphs=False)
+        eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
         prof = kernel_profile(eager, prompt, 64)
-        graphs = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx)
+        graphs = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="torch")
         graphs.stop_ids = eager.stop_ids
         prof["graphs_tok_per_s"] = decode_rate(graphs, prompt, 256)
         # SDPA picks cuDNN attention for the one-query step (10-14 us per layer): the same with it off
         torch.backends.cuda.enable_cudnn_sdp(False)
-        other = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx)
+        other = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="torch")
         other.stop_ids = eager.stop_ids
         prof["graphs_tok_per_s_without_cudnn_sdpa"] = decode_rate(other, prompt, 256)
         torch.backends.cuda.enable_cudnn_sdp(True)

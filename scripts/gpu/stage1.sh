@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs 1 and 2: keep the carried parts of the GGUF on the machine (the working tree and a part must fit
-# in 64 MiB, so it travels in three) and install the carried wheels (quick, so that the chain starts at
-# once; the GPU work all happens in the chain).
+# Staging runs: keep the carried parts of the GGUF (the working tree and a part must fit in 64 MiB, so
+# it travels in three) and the carried data on the machine, and install the carried wheels (quick, so
+# that the chain starts at once; the GPU work all happens in the chain).
 set -euo pipefail
-mkdir -p /root/stage && cp .stage/part0* /root/stage/
+mkdir -p /root/stage
+for part in .stage/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
 # token shards an earlier session generated (collect.sh), if carried: the chain then skips datagen
 [ -f .stage/data.tgz ] && cp .stage/data.tgz /root/stage/
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl
