@@ -1,12 +1,19 @@
 """Feature-ring kernels in Triton: encode + scatter of a run of rows in one pass, and decode in one pass.
 
 quant.py's torch forms run a q4_0 write as about 15 kernels and reach 3% of the device's copy bandwidth
-(BENCHMARKS.md); these read each input byte once and write each output byte once. One program handles
-GROUPS blocks of 32 values of one row: it loads them, converts or quantizes them (per-block scale,
-rounding and nibble packing exactly as quant.py, in float32 with IEEE division and no fused
-multiply-add, so the bytes are the same), and stores them at slot = position % capacity, plus the
-slot's position tag. Decoding is the inverse, for a contiguous run of stored rows. A q4_0 write loads a
-block as its two halves of 16 values (low and high nibbles), so it needs no register shuffle.
+(BENCHMARKS.md); these write each output byte once. One program handles GROUPS blocks of 32 values of
+one row: it loads them, converts or quantizes them (per-block scale, rounding and nibble packing exactly
+as quant.py, in float32 with IEEE division and no fused multiply-add, so the bytes are the same), and
+stores them at slot = position % capacity, plus the slot's position tag. Decoding is the inverse, for a
+contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
+nibbles), so it needs no register shuffle.
+
+A block format's write stores each block (2 scale bytes, then the codes: 34 or 18 bytes) as one
+contiguous run of byte lanes, lane j >= 2 holding code j - 2, so the GROUPS blocks of a program leave
+in one coalesced store. Putting the codes at their lanes takes a second read of the input, which the
+first one left in cache. The earlier form stored the scale bytes apart (two one-byte stores per block)
+and measured 0.58-0.65 of the copy bandwidth for these writes (BENCHMARKS.md, sixth session); this one
+is not measured yet.
 
 GROUPS and the warps per program come from SHAPES, the best measured on the H200 (BENCHMARKS.md);
 `deepflash bench rings --triton-shapes` times other pairs.
@@ -63,7 +70,7 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
     groups, warps = _shape("write", fmt)
     _write[(n, triton.cdiv(triton.cdiv(width, QK), groups))](
         rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], GROUPS=groups,
-        num_warps=warps, enable_fp_fusion=False)
+        LANES=64 if fmt.name == "q8_0" else 32, num_warps=warps, enable_fp_fusion=False)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -80,7 +87,18 @@ def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float3
 if triton is not None:
 
     @triton.jit
-    def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr):
+    def _peak(low, high):
+        """Per block, the signed value of largest magnitude (the first one on a tie), from its halves."""
+        at_low = tl.argmax(tl.abs(low), axis=1, tie_break_left=True)
+        at_high = tl.argmax(tl.abs(high), axis=1, tie_break_left=True)
+        lanes = tl.arange(0, 16)[None, :]
+        peak_low = tl.sum(tl.where(lanes == at_low[:, None], low, 0.0), axis=1)
+        peak_high = tl.sum(tl.where(lanes == at_high[:, None], high, 0.0), axis=1)
+        return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)
+
+    @triton.jit
+    def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr,
+               LANES: tl.constexpr):
         r = tl.program_id(0)
         chunk = tl.program_id(1)
         pos = tl.load(positions + r)
@@ -94,31 +112,38 @@ if triton is not None:
         if FMT < 3:  # plain: a cast
             x = tl.load(rows + r * width + cols, mask=inside, other=0.0)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
-        else:
+        else:  # a block format: each block's bytes (scale, then codes) leave in one contiguous store
             live = group < width // 32
+            lanes = tl.arange(0, LANES)  # byte lanes of a block; lane j >= 2 holds code j - 2
+            src = rows + r * width + group[:, None] * 32
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
-                x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
+                x = tl.load(src + tl.arange(0, 32)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                v = x * inv[:, None]
+                coded = live[:, None] & ((lanes >= 2) & (lanes < 34))[None, :]
+                # the codes' values again, at their byte lanes (a second read, from cache)
+                v = tl.load(src + (lanes - 2)[None, :], mask=coded, other=0.0).to(tl.float32) * inv[:, None]
                 q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
-                payload = q.to(tl.int8).to(tl.uint8, bitcast=True)
-                block = group * (2 + 32)
-                tl.store(out + block[:, None] + 2 + tl.arange(0, 32)[None, :], payload, mask=live[:, None])
+                codes = q.to(tl.int8).to(tl.uint8, bitcast=True)
+                block_bytes = 2 + 32
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
-                half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
-                low = tl.load(rows + r * width + half, mask=live[:, None], other=0.0).to(tl.float32)
-                high = tl.load(rows + r * width + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
+                half = tl.arange(0, 16)[None, :]
+                low = tl.load(src + half, mask=live[:, None], other=0.0).to(tl.float32)
+                high = tl.load(src + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
                 d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                q_low = tl.minimum(tl.floor(low * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                q_high = tl.minimum(tl.floor(high * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                block = group * (2 + 16)
-                tl.store(out + block[:, None] + 2 + tl.arange(0, 16)[None, :], q_low | (q_high << 4),
-                         mask=live[:, None])
-            bits = d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            tl.store(out + block, (bits & 0xFF).to(tl.uint8), mask=live)
-            tl.store(out + block + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=live)
+                coded = live[:, None] & ((lanes >= 2) & (lanes < 18))[None, :]
+                lo = tl.load(src + (lanes - 2)[None, :], mask=coded, other=0.0).to(tl.float32)
+                hi = tl.load(src + (lanes + 14)[None, :], mask=coded, other=0.0).to(tl.float32)
+                q_low = tl.minimum(tl.floor(lo * inv[:, None] + 8.5), 15.0).to(tl.uint8)
+                q_high = tl.minimum(tl.floor(hi * inv[:, None] + 8.5), 15.0).to(tl.uint8)
+                codes = q_low | (q_high << 4)
+                block_bytes = 2 + 16
+            bits = d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)[:, None]  # little-endian fp16
+            scale = tl.where(lanes[None, :] == 0, bits & 0xFF, (bits >> 8) & 0xFF).to(tl.uint8)
+            payload = tl.where(lanes[None, :] < 2, scale, codes)
+            tl.store(out + group[:, None] * block_bytes + lanes[None, :], payload,
+                     mask=live[:, None] & (lanes < block_bytes)[None, :])
 
     @triton.jit
     def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr):
@@ -144,13 +169,3 @@ if triton is not None:
                 q = tl.reshape(tl.permute(both, [0, 2, 1]), [GROUPS, 32]).to(tl.float32) - 8
             x = scale[:, None] * q
         tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def _peak(low, high):
-        """Per block, the signed value of largest magnitude (the first one on a tie), from its halves."""
-        at_low = tl.argmax(tl.abs(low), axis=1, tie_break_left=True)
-        at_high = tl.argmax(tl.abs(high), axis=1, tie_break_left=True)
-        lanes = tl.arange(0, 16)[None, :]
-        peak_low = tl.sum(tl.where(lanes == at_low[:, None], low, 0.0), axis=1)
-        peak_high = tl.sum(tl.where(lanes == at_high[:, None], high, 0.0), axis=1)
-        return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)

@@ -13,7 +13,7 @@ of its tokens exactly as a one-token decode step at that position would, and gre
 decoding keeps matching plain decoding under bf16 rounding (with SDPA for the verify and this kernel
 for plain steps it did not: 1 of 6 outputs equal, BENCHMARKS.md, sixth session).
 
-Opt-in with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it on the CPU for the
+Chosen with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it on the CPU for the
 tests.
 """
 

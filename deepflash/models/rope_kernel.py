@@ -6,9 +6,9 @@ SmolLM2-135M-shaped target spent 263 of its 1412 device microseconds in the rope
 and the two cache index_copies (profile_step.py, BENCHMARKS.md). Here one program handles one head of
 one token: it loads the head's row of the fused projection output, normalises and rotates it in
 float32 (rounding once, where the torch form rounds after every operation), and stores q in the
-[B, H, T, D] layout attention reads without a copy, or k / v at their cache slot. Opt-in per model
-(TargetModel.use_kernels) until a GPU measurement says it pays; `TRITON_INTERPRET=1` runs it on the
-CPU for the tests.
+[B, H, T, D] layout attention reads without a copy, or k / v at their cache slot. Chosen per model
+(TargetModel.use_kernels; the default on CUDA for llama-family targets); `TRITON_INTERPRET=1` runs it
+on the CPU for the tests.
 """
 
 from __future__ import annotations
