@@ -106,6 +106,8 @@ class Engine:
                  feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
                  prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False,
                  ring_kernels: str = "auto", target_kernels: str = "auto"):
+        if compile and target_kernels == "auto":  # --compile was only ever measured on torch's kernels
+            target_kernels = "torch"
         target.use_kernels(target_kernels)  # checks the choice; set again per request (generate)
         self.target_kernels = target_kernels
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
