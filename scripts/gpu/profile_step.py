@@ -73,15 +73,22 @@ def main():
             fused = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="triton")
             fused.stop_ids = eager.stop_ids
             prof["graphs_tok_per_s_triton_kernels"] = decode_rate(fused, prompt, 256)
-            del fused
+            # where the step's time goes on the Triton kernels (the CUDA default), profiled eagerly
+            fused_eager = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="triton",
+                                 cuda_graphs=False)
+            fused_eager.stop_ids = eager.stop_ids
+            prof["triton_kernels"] = kernel_profile(fused_eager, prompt, 64)
+            del fused, fused_eager
         prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
         record[name] = prof
         print(f"== {name}: {prof['kernels_per_step']:.0f} kernels/step, {prof['device_us_per_step']:.0f} us busy/step, "
               f"graphs {prof['graphs_tok_per_s']:.0f} tok/s ({prof['graphs_tok_per_s_without_cudnn_sdpa']:.0f} without "
               f"cuDNN attention, {prof['graphs_tok_per_s_triton_kernels']} with the Triton kernels), "
               f"eager {prof['eager_tok_per_s']:.0f} tok/s")
-        for row in prof["top"]:
-            print(f"  {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['kernel']}")
+        for label, rows in [("torch kernels", prof["top"]), ("Triton kernels", prof.get("triton_kernels", {}).get("top", []))]:
+            print(f"  {label}:")
+            for row in rows:
+                print(f"  {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['kernel']}")
         del eager, graphs, other
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.out:
