@@ -70,7 +70,8 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
     groups, warps = _shape("write", fmt)
     _write[(n, triton.cdiv(triton.cdiv(width, QK), groups))](
         rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], GROUPS=groups,
-        LANES=64 if fmt.name == "q8_0" else 32, num_warps=warps, enable_fp_fusion=False)
+        BLOCK_BYTES=fmt.block_bytes, LANES=triton.next_power_of_2(max(1, fmt.block_bytes)), num_warps=warps,
+        enable_fp_fusion=False)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -80,7 +81,8 @@ def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float3
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
     groups, warps = _shape("decode", fmt)
     _decode[(data.shape[0], triton.cdiv(triton.cdiv(width, QK), groups))](
-        data, out, width, data.shape[1], CODES[fmt.name], GROUPS=groups, num_warps=warps, enable_fp_fusion=False)
+        data, out, width, data.shape[1], CODES[fmt.name], GROUPS=groups, BLOCK_BYTES=fmt.block_bytes,
+        num_warps=warps, enable_fp_fusion=False)
     return out
 
 
@@ -98,7 +100,7 @@ if triton is not None:
 
     @triton.jit
     def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr,
-               LANES: tl.constexpr):
+               BLOCK_BYTES: tl.constexpr, LANES: tl.constexpr):
         r = tl.program_id(0)
         chunk = tl.program_id(1)
         pos = tl.load(positions + r)
@@ -120,33 +122,31 @@ if triton is not None:
                 x = tl.load(src + tl.arange(0, 32)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                coded = live[:, None] & ((lanes >= 2) & (lanes < 34))[None, :]
+                coded = live[:, None] & ((lanes >= 2) & (lanes < BLOCK_BYTES))[None, :]
                 # the codes' values again, at their byte lanes (a second read, from cache)
                 v = tl.load(src + (lanes - 2)[None, :], mask=coded, other=0.0).to(tl.float32) * inv[:, None]
                 q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
                 codes = q.to(tl.int8).to(tl.uint8, bitcast=True)
-                block_bytes = 2 + 32
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
                 half = tl.arange(0, 16)[None, :]
                 low = tl.load(src + half, mask=live[:, None], other=0.0).to(tl.float32)
                 high = tl.load(src + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
                 d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                coded = live[:, None] & ((lanes >= 2) & (lanes < 18))[None, :]
+                coded = live[:, None] & ((lanes >= 2) & (lanes < BLOCK_BYTES))[None, :]
                 lo = tl.load(src + (lanes - 2)[None, :], mask=coded, other=0.0).to(tl.float32)
                 hi = tl.load(src + (lanes + 14)[None, :], mask=coded, other=0.0).to(tl.float32)
                 q_low = tl.minimum(tl.floor(lo * inv[:, None] + 8.5), 15.0).to(tl.uint8)
                 q_high = tl.minimum(tl.floor(hi * inv[:, None] + 8.5), 15.0).to(tl.uint8)
                 codes = q_low | (q_high << 4)
-                block_bytes = 2 + 16
             bits = d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)[:, None]  # little-endian fp16
             scale = tl.where(lanes[None, :] == 0, bits & 0xFF, (bits >> 8) & 0xFF).to(tl.uint8)
             payload = tl.where(lanes[None, :] < 2, scale, codes)
-            tl.store(out + group[:, None] * block_bytes + lanes[None, :], payload,
-                     mask=live[:, None] & (lanes < block_bytes)[None, :])
+            tl.store(out + group[:, None] * BLOCK_BYTES + lanes[None, :], payload,
+                     mask=live[:, None] & (lanes < BLOCK_BYTES)[None, :])
 
     @triton.jit
-    def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr):
+    def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
         r = tl.program_id(0)
         group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -156,7 +156,7 @@ if triton is not None:
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
         else:
             live = group < width // 32
-            block = group * (2 + 32 if FMT == 3 else 2 + 16)
+            block = group * BLOCK_BYTES
             lo = tl.load(src + block, mask=live, other=0).to(tl.int32)
             hi = tl.load(src + block + 1, mask=live, other=0).to(tl.int32)
             scale = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -172,14 +172,15 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
 
 
 def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask, anchors, real, weights,
-               attention: str, final=None):
+               attention: str, final=None, label=None):
     """Decay-weighted CE of a batch of sequences' packed anchor blocks, in one forward; returns (loss,
     weight sum, per-k hits, per-k counts). tokens / loss_mask [b, L] and feats [b, L, F] are padded
     past each sequence's length (padding is never visible: context is strictly before an anchor);
     anchors [b, A] are each sequence's anchors, of which the first `real` [b] count (the rest pad the
     rows to one length and carry no loss). With the target's final normed states final [b, L, H], the
     loss is instead the KL divergence from the target's next-token distribution at each label, the
-    one it computes at the position before (--distill)."""
+    one it computes at the position before (--distill). `label`: labelled()'s result, if the caller
+    has it already."""
     cfg = drafter.cfg
     size, (b, ctx_len) = cfg.block_size, feats.shape[:2]
     device = tokens.device
@@ -191,7 +192,7 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     x = drafter.block_embeddings(target.model.embed_tokens, block)
     masks = _layer_masks(cfg, anchors, ctx_len, attention)
     hidden = drafter(x, q_pos, ctx_kv, masks).view(b, anchors.shape[1], size, -1)[:, :, 1:]
-    valid, label_pos = labelled(anchors, lengths, loss_mask, real, size)
+    valid, label_pos = label if label is not None else labelled(anchors, lengths, loss_mask, real, size)
     labels = tokens.gather(1, label_pos).view_as(valid)
     w = weights * valid
     teacher = None if final is None else teacher_states(final, label_pos).view(*valid.shape, -1)
@@ -407,19 +408,21 @@ class Trainer:
     def _batch_loss(self, batch: list[Sequence], attention: str | None, train: bool):
         # every host-to-device copy first (_batch_inputs), then one forward (and backward) per part
         parts = [self._batch_inputs(part) for part in self._parts(batch)]
+        labels = [None if anchors is None else labelled(anchors, lengths, loss_mask, real, self.cfg.block_size)
+                  for _, lengths, loss_mask, anchors, real in parts]
         # the loss is the batch's weighted mean CE: each part's weighted sum over the whole batch's weight,
         # known before any forward, so that every part can run its backward at once
-        batch_weight = sum((self.weights * labelled(anchors, lengths, loss_mask, real, self.cfg.block_size)[0]).sum()
-                           for _, lengths, loss_mask, anchors, real in parts if anchors is not None)
+        batch_weight = sum((self.weights * label[0]).sum() for label in labels if label is not None)
         total = weight = torch.zeros((), device=self.device)
         hits = counts = torch.zeros(self.cfg.block_size - 1, device=self.device)
-        for tokens, lengths, loss_mask, anchors, real in parts:
+        for (tokens, lengths, loss_mask, anchors, real), label in zip(parts, labels):
             if anchors is None:  # no response token to learn from
                 continue
             feats, final = self._target_pass(tokens, final=self.tc.distill)
             with self._autocast(), torch.set_grad_enabled(train):
                 loss, w, h, c = block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale,
-                                           loss_mask, anchors, real, self.weights, attention or self.attention, final)
+                                           loss_mask, anchors, real, self.weights, attention or self.attention, final,
+                                           label)
             if train:
                 (loss / batch_weight).backward()  # frees this part's graph before the next
             total, weight, hits, counts = total + loss.detach(), weight + w, hits + h, counts + c
