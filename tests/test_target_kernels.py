@@ -13,21 +13,24 @@ DEVICE = triton_device()
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 def test_triton_kernels_match_torch_in_the_model(qk_norm, partial):
-    """Prefill then decode steps with the kernels on and off: same logits and the same cache rows."""
+    """Prefill then decode steps with the kernels on and off: same logits, the same features at a middle
+    tap (where the fused layers' pending residual add is settled) and the last, and the same cache rows."""
     cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
-                       num_hidden_layers=2)
+                       num_hidden_layers=3)
     assert cfg.qk_norm == qk_norm
     models = [random_model(cfg, DEVICE, torch.float32, std=0.2) for _ in range(2)]
     models[1].use_kernels("triton")
     caches = [m.new_cache(2, 32) for m in models]
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    outs = [m(ids, torch.arange(12, device=DEVICE), c, 12)[0] for m, c in zip(models, caches)]
+    outs = [m(ids, torch.arange(12, device=DEVICE), c, 12, capture=(0, 2)) for m, c in zip(models, caches)]
     for pos in range(12, 15):
         step = ids[:, pos - 12 : pos - 11]
         positions = torch.tensor([pos], device=DEVICE)
-        outs += [m(step, positions, c, 16)[0] for m, c in zip(models, caches)]
-    for torch_out, triton_out in zip(outs[::2], outs[1::2]):
-        torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-4)
+        outs += [m(step, positions, c, 16, capture=() if pos == 13 else (0, 2)) for m, c in zip(models, caches)]
+    for (torch_logits, torch_features), (triton_logits, triton_features) in zip(outs[::2], outs[1::2]):
+        torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)
+        if torch_features is not None:
+            torch.testing.assert_close(triton_features, torch_features, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches[1].k[:, :, :, :15], caches[0].k[:, :, :, :15], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].v[:, :, :, :15], caches[0].v[:, :, :, :15])
 
@@ -110,6 +113,8 @@ def test_layer_kernels_match_torch(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(total, x + y)
     torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + y, (576,), weight, 1e-5), **tol)
+    settled, settled_normed = add_rms_norm(total, None, weight, 1e-5)  # a feature tap's settled sum
+    assert settled is total and torch.equal(settled_normed, normed)
     gate_up = torch.randn(4, 2 * 1536, generator=gen).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **tol)

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UserError
+from .layers import final_norm, settled
 
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
@@ -97,8 +98,9 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = run_layer(i, layer, x)
             if i in capture and i != last:
+                x = settled(x)
                 taps[i] = x
-        x = self.model.norm(x)
+        x = final_norm(self.model.norm, x)
         if last in capture:
             taps[last] = x
         features = torch.cat([taps[i] for i in capture], dim=-1) if capture else None

@@ -3,8 +3,9 @@
 SDPA serves a decode step with cuDNN's flash kernel at 10-14 us per layer, 22% of the SmolLM2-135M-
 shaped step and 9% of the Qwen3-8B-shaped one (profile_step.py, BENCHMARKS.md). Here each program takes
 one query token of one key/value head's G query heads and one chunk of CHUNK keys, and keeps a running
-softmax over them in float32; a second kernel merges the chunks. Keys past the query's position (the
-rest of the CUDA-graph bucket, the block's later tokens) are masked.
+softmax over them in float32; a second kernel merges the chunks, one program per query head and slice
+of the head dims. Keys past the query's position (the rest of the CUDA-graph bucket, the block's later
+tokens) are masked.
 
 A query's result does not depend on the cache span or on the other queries of its step, bit for bit:
 the chunks are fixed, each query has programs of its own, and the merge walks the chunks in fixed
@@ -31,7 +32,12 @@ except ImportError:  # torch's CPU builds do not bring Triton
 
 MAX_QUERIES = 64  # steps of at most this many tokens (decode, verify blocks) use the kernel; prefill uses SDPA
 CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over 48 programs per query
-MERGE_TILE = 32  # chunks the merge reduces at once
+# The merge reduces MERGE_TILE chunks at once (8192 keys: one tile for the embedded target's whole window)
+# in a program per (query token, query head, MERGE_DIMS head dims). Its tiles run one after another, so
+# few and wide: with 32-chunk tiles in one program per (token, kv head), a step at 5.8K keys took ~17 us
+# a layer more than one at 170 (BENCHMARKS.md, sixth session), most of it, we expect, in that walk.
+MERGE_TILE = 256
+MERGE_DIMS = 16
 TILE = 8192  # score x value elements a program holds per loop iteration (query rows x keys x head dim)
 
 
@@ -53,8 +59,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     # the merge's loop runs to the whole cache's tiles and skips those past `splits`: a constant bound (Triton's
     # interpreter, which the CPU tests use, cannot loop to a runtime bound under numpy 2), one binary per cache
-    _merge[(rows,)](partial, out, t, splits, GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, TILE_SPLITS=MERGE_TILE,
-                    TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE), enable_fp_fusion=False)
+    dims = min(MERGE_DIMS, dim)
+    _merge[(rows * groups, dim // dims)](partial, out, t, splits, GROUPS=groups, GROUP_PAD=group_pad, DIM=dim,
+                                         DIMS=dims, TILE_SPLITS=MERGE_TILE,
+                                         TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE), enable_fp_fusion=False)
     return out
 
 
@@ -101,33 +109,29 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _merge(partial, out, T, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-               TILE_SPLITS: tl.constexpr, TILES: tl.constexpr):
-        row = tl.program_id(0)
+               DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr):
+        row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
+        g = tl.program_id(0) % GROUPS
         bh = row // T
         token = row % T
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, DIM)
-        best = tl.full((GROUP_PAD,), -1e30, tl.float32)
-        norm = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
+        d = tl.program_id(1) * DIMS + tl.arange(0, DIMS)
+        best = -1e30
+        norm = 0.0
+        acc = tl.zeros((DIMS,), tl.float32)
         # tile by tile in a fixed order; a tile past `splits` is skipped, and one past the query's position
         # holds m = -1e30, total 0 and acc 0, which leave best, norm and acc exactly as they were
         for tile in range(TILES):
             if tile * TILE_SPLITS < splits:
                 sp = tile * TILE_SPLITS + tl.arange(0, TILE_SPLITS)
                 live = sp < splits
-                at = (row * splits + sp)[:, None] * GROUP_PAD + g[None, :]  # [TILE_SPLITS, GROUP_PAD]
-                m = tl.load(partial + at * (DIM + 2) + DIM, mask=live[:, None], other=-1e30)
-                total = tl.load(partial + at * (DIM + 2) + DIM + 1, mask=live[:, None], other=0.0)
-                part = tl.load(partial + at[:, :, None] * (DIM + 2) + d[None, None, :], mask=live[:, None, None],
-                               other=0.0)
+                at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [TILE_SPLITS]
+                m = tl.load(partial + at + DIM, mask=live, other=-1e30)
+                total = tl.load(partial + at + DIM + 1, mask=live, other=0.0)
+                part = tl.load(partial + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
                 best_new = tl.maximum(best, tl.max(m, axis=0))
-                weight = tl.exp(m - best_new[None, :])
+                weight = tl.exp(m - best_new)
                 keep = tl.exp(best - best_new)
                 norm = norm * keep + tl.sum(total * weight, axis=0)
-                acc = acc * keep[:, None] + tl.sum(part * weight[:, :, None], axis=0)
+                acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
                 best = best_new
-        merged = acc / norm[:, None]  # [GROUP_PAD, DIM]
-        heads = g < GROUPS
-        tl.store(out + ((bh * GROUPS + g)[:, None] * T + token) * DIM + d[None, :], merged.to(out.dtype.element_ty),
-                 mask=heads[:, None])
+        tl.store(out + ((bh * GROUPS + g) * T + token) * DIM + d, (acc / norm).to(out.dtype.element_ty))

@@ -16,14 +16,17 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) over the last dim; the sum is rounded to the input dtype before
-    it is normalised, as the torch form does."""
+    it is normalised, as the torch form does. y None: (x, rms_norm(x) * weight) by the same kernel, so
+    that a sum settled apart (layers.settled, at a feature tap) is normalised with the same rounding."""
     width = x.shape[-1]
-    x, y = x.contiguous(), y.contiguous()
-    total, normed = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm[(x.numel() // width,)](x, y, weight, total, normed, width, eps,
-                                         BLOCK=triton.next_power_of_2(width))
+    x = x.contiguous()
+    normed = torch.empty_like(x)
+    total = x if y is None else torch.empty_like(x)
+    _add_rms_norm[(x.numel() // width,)](x, x if y is None else y.contiguous(), weight, total, normed, width, eps,
+                                         BLOCK=triton.next_power_of_2(width), ADD=y is not None)
     return total, normed
 
 
@@ -39,16 +42,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm(x, y, weight, total, normed, width, eps, BLOCK: tl.constexpr):
+    def _add_rms_norm(x, y, weight, total, normed, width, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
         offsets = row * width + cols
-        s = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32) + \
-            tl.load(y + offsets, mask=inside, other=0.0).to(tl.float32)
-        s = s.to(total.dtype.element_ty)
-        tl.store(total + offsets, s, mask=inside)
-        s = s.to(tl.float32)
+        s = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
+        if ADD:
+            s = (s + tl.load(y + offsets, mask=inside, other=0.0).to(tl.float32)).to(total.dtype.element_ty)
+            tl.store(total + offsets, s, mask=inside)
+            s = s.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / width + eps)
         gain = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(normed + offsets, (s * inv_rms * gain).to(normed.dtype.element_ty), mask=inside)

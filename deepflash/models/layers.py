@@ -26,6 +26,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def settled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A decoder layer's output as one tensor: fused layers (llama.DecoderLayer.fused_forward) hand on
+    (residual, MLP output) for the next norm's kernel to add; a feature tap needs the sum itself."""
+    return x[0] + x[1] if isinstance(x, tuple) else x
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The stack's final norm, adding a fused layer's pending MLP output in the same kernel."""
+    if isinstance(x, tuple):
+        from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
+
+        return add_rms_norm(*x, norm.weight, norm.eps)[1]
+    return norm(x)
+
+
 def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies for the rotated part of a head and the cos/sin scale (YaRN's attention factor)."""
     dim = int(head_dim * rope.partial_rotary_factor)

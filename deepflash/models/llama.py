@@ -82,15 +82,26 @@ class DecoderLayer(nn.Module):
         self.kernels = "torch"  # or "triton": TargetModel.use_kernels
 
     def forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, mask)
-        if self.kernels == "triton":  # the residual add and the norm after it as one kernel (layer_kernels.py)
-            from .layer_kernels import add_rms_norm
-
-            norm = self.post_attention_layernorm
-            x, h = add_rms_norm(x, attn, norm.weight, norm.eps)
-            return x + self.mlp(h)
-        x = x + attn
+        if self.kernels == "triton":
+            return self.fused_forward(x, cos, sin, positions, cache, layer, kv_len, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused_forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
+        """The Triton form: each residual add runs inside the kernel of the norm after it (add_rms_norm,
+        layer_kernels.py), so the layer hands its MLP output on unadded, as (residual, mlp output), and
+        the next layer's input norm (or the final norm: layers.final_norm) adds it. Two kernels per layer
+        instead of four; x is such a pair or, after a feature tap (layers.settled), one tensor, which the
+        same kernel normalises: a step with taps (speculative) rounds as one without (plain)."""
+        from .layer_kernels import add_rms_norm
+
+        norm = self.input_layernorm
+        residual, delta = x if isinstance(x, tuple) else (x, None)
+        x, h = add_rms_norm(residual, delta, norm.weight, norm.eps)
+        attn = self.self_attn(h, cos, sin, positions, cache, layer, kv_len, mask)
+        norm = self.post_attention_layernorm
+        x, h = add_rms_norm(x, attn, norm.weight, norm.eps)
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
