@@ -8,12 +8,11 @@ stores them at slot = position % capacity, plus the slot's position tag. Decodin
 contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
 nibbles), so it needs no register shuffle.
 
-A block format's write stores each block (2 scale bytes, then the codes: 34 or 18 bytes) as one
-contiguous run of byte lanes, lane j >= 2 holding code j - 2, so the GROUPS blocks of a program leave
-in one coalesced store. Putting the codes at their lanes takes a second read of the input, which the
-first one left in cache. The earlier form stored the scale bytes apart (two one-byte stores per block)
-and measured 0.58-0.65 of the copy bandwidth for these writes (BENCHMARKS.md, sixth session); this one
-is not measured yet.
+A block format's write stores the codes with one-byte stores (the block stride, 34 or 18 bytes, leaves
+them 2-byte aligned at best) and the fp16 scale as one 16-bit store: 0.62 (q8_0) and 0.61 (q4_0) of
+the copy bandwidth. Two other forms measured slower (BENCHMARKS.md, seventh session): each block as one
+run of byte lanes, the codes loaded again at their lanes (0.40 / 0.43), and the codes as 16-bit pairs
+from strided loads (0.49 / 0.39).
 
 GROUPS and the warps per program come from SHAPES, the best measured on the H200 (BENCHMARKS.md);
 `deepflash bench rings --triton-shapes` times other pairs.
@@ -70,8 +69,7 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
     groups, warps = _shape("write", fmt)
     _write[(n, triton.cdiv(triton.cdiv(width, QK), groups))](
         rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], GROUPS=groups,
-        BLOCK_BYTES=fmt.block_bytes, LANES=triton.next_power_of_2(max(1, fmt.block_bytes)), num_warps=warps,
-        enable_fp_fusion=False)
+        BLOCK_BYTES=fmt.block_bytes, num_warps=warps, enable_fp_fusion=False)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -99,8 +97,14 @@ if triton is not None:
         return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)
 
     @triton.jit
+    def _round_q8(v):
+        """q8_0's code byte of x / d: rounded half away from zero."""
+        q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
+        return q.to(tl.int8).to(tl.uint8, bitcast=True)
+
+    @triton.jit
     def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr,
-               BLOCK_BYTES: tl.constexpr, LANES: tl.constexpr):
+               BLOCK_BYTES: tl.constexpr):
         r = tl.program_id(0)
         chunk = tl.program_id(1)
         pos = tl.load(positions + r)
@@ -114,36 +118,27 @@ if triton is not None:
         if FMT < 3:  # plain: a cast
             x = tl.load(rows + r * width + cols, mask=inside, other=0.0)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
-        else:  # a block format: each block's bytes (scale, then codes) leave in one contiguous store
+        else:
             live = group < width // 32
-            lanes = tl.arange(0, LANES)  # byte lanes of a block; lane j >= 2 holds code j - 2
-            src = rows + r * width + group[:, None] * 32
+            block = group * BLOCK_BYTES  # even: the fp16 scale at a block's start is 2-byte aligned
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
-                x = tl.load(src + tl.arange(0, 32)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                coded = live[:, None] & ((lanes >= 2) & (lanes < BLOCK_BYTES))[None, :]
-                # the codes' values again, at their byte lanes (a second read, from cache)
-                v = tl.load(src + (lanes - 2)[None, :], mask=coded, other=0.0).to(tl.float32) * inv[:, None]
-                q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
-                codes = q.to(tl.int8).to(tl.uint8, bitcast=True)
+                tl.store(out + block[:, None] + 2 + tl.arange(0, 32)[None, :], _round_q8(x * inv[:, None]),
+                         mask=live[:, None])
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
-                half = tl.arange(0, 16)[None, :]
-                low = tl.load(src + half, mask=live[:, None], other=0.0).to(tl.float32)
-                high = tl.load(src + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
+                half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
+                low = tl.load(rows + r * width + half, mask=live[:, None], other=0.0).to(tl.float32)
+                high = tl.load(rows + r * width + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
                 d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                coded = live[:, None] & ((lanes >= 2) & (lanes < BLOCK_BYTES))[None, :]
-                lo = tl.load(src + (lanes - 2)[None, :], mask=coded, other=0.0).to(tl.float32)
-                hi = tl.load(src + (lanes + 14)[None, :], mask=coded, other=0.0).to(tl.float32)
-                q_low = tl.minimum(tl.floor(lo * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                q_high = tl.minimum(tl.floor(hi * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                codes = q_low | (q_high << 4)
-            bits = d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)[:, None]  # little-endian fp16
-            scale = tl.where(lanes[None, :] == 0, bits & 0xFF, (bits >> 8) & 0xFF).to(tl.uint8)
-            payload = tl.where(lanes[None, :] < 2, scale, codes)
-            tl.store(out + group[:, None] * BLOCK_BYTES + lanes[None, :], payload,
-                     mask=live[:, None] & (lanes < BLOCK_BYTES)[None, :])
+                q_low = tl.minimum(tl.floor(low * inv[:, None] + 8.5), 15.0).to(tl.uint8)
+                q_high = tl.minimum(tl.floor(high * inv[:, None] + 8.5), 15.0).to(tl.uint8)
+                tl.store(out + block[:, None] + 2 + tl.arange(0, 16)[None, :], q_low | (q_high << 4),
+                         mask=live[:, None])
+            # the scale as one 16-bit store, where two one-byte stores were
+            tl.store((out + block).to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=live)
 
     @triton.jit
     def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr):

@@ -34,8 +34,8 @@ MAX_QUERIES = 64  # steps of at most this many tokens (decode, verify blocks) us
 CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over 48 programs per query
 # The merge reduces MERGE_TILE chunks at once (8192 keys: one tile for the embedded target's whole window)
 # in a program per (query token, query head, MERGE_DIMS head dims). Its tiles run one after another, so
-# few and wide: with 32-chunk tiles in one program per (token, kv head), a step at 5.8K keys took ~17 us
-# a layer more than one at 170 (BENCHMARKS.md, sixth session), most of it, we expect, in that walk.
+# few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
+# prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session).
 MERGE_TILE = 256
 MERGE_DIMS = 16
 TILE = 8192  # score x value elements a program holds per loop iteration (query rows x keys x head dim)

@@ -115,8 +115,8 @@ class Backbone(nn.Module):
 class LlamaModel(TargetModel):
     """forward(tokens [B,T], positions [T], cache, kv_len) -> (logits, features)."""
 
-    # on an H200, decode 1.15x (Qwen3-8B shape) to 1.8x (SmolLM2) faster than on torch's kernels, and the
-    # same greedy output from plain and speculative decoding (BENCHMARKS.md, sixth session)
+    # on an H200, decode 1.2x (Qwen3-8B shape) to 2.0x (SmolLM2, end to end) faster than on torch's
+    # kernels, and the same greedy output from plain and speculative decoding (BENCHMARKS.md, seventh session)
     auto_kernels = "triton"
 
     def __init__(self, cfg: ModelConfig):
