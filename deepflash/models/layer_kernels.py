@@ -1,8 +1,9 @@
-"""Two small Triton kernels of a decoder layer: the residual add fused with the RMSNorm after it, and
-SwiGLU's silu(gate) * up. Each replaces two kernels per layer of a decode step, whose launches and
-round trips through memory cost more than their arithmetic (profile_step.py: the adds and the
-silu / multiply took ~160 of the SmolLM2-135M-shaped step's 1412 us). Chosen with the target's other
-Triton kernels (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs them on the CPU for the tests.
+"""Two small Triton kernels of a decoder layer: a residual add fused with the RMSNorm after it (both of
+a layer's adds: llama.DecoderLayer.fused_forward), and SwiGLU's silu(gate) * up. Each use replaces two
+kernels of a decode step, whose launches and round trips through memory cost more than their
+arithmetic (profile_step.py: the adds and the silu / multiply took ~160 of the SmolLM2-135M-shaped
+step's 1412 us). Chosen with the target's other Triton kernels (TargetModel.use_kernels);
+`TRITON_INTERPRET=1` runs them on the CPU for the tests.
 """
 
 from __future__ import annotations
