@@ -97,12 +97,6 @@ if triton is not None:
         return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)
 
     @triton.jit
-    def _round_q8(v):
-        """q8_0's code byte of x / d: rounded half away from zero."""
-        q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
-        return q.to(tl.int8).to(tl.uint8, bitcast=True)
-
-    @triton.jit
     def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr,
                BLOCK_BYTES: tl.constexpr):
         r = tl.program_id(0)
@@ -125,7 +119,9 @@ if triton is not None:
                 x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                tl.store(out + block[:, None] + 2 + tl.arange(0, 32)[None, :], _round_q8(x * inv[:, None]),
+                v = x * inv[:, None]
+                q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
+                tl.store(out + block[:, None] + 2 + tl.arange(0, 32)[None, :], q.to(tl.int8).to(tl.uint8, bitcast=True),
                          mask=live[:, None])
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
                 half = group[:, None] * 32 + tl.arange(0, 16)[None, :]

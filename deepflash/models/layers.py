@@ -32,13 +32,18 @@ def settled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor
     return x[0] + x[1] if isinstance(x, tuple) else x
 
 
+def fused_norm(norm: RMSNorm, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, normed) by the Triton kernel (layer_kernels.add_rms_norm) of a layer input that is one
+    tensor or a fused layer's (residual, MLP output): the pending add runs inside the norm's kernel."""
+    from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
+
+    residual, delta = x if isinstance(x, tuple) else (x, None)
+    return add_rms_norm(residual, delta, norm.weight, norm.eps)
+
+
 def final_norm(norm: RMSNorm, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The stack's final norm, adding a fused layer's pending MLP output in the same kernel."""
-    if isinstance(x, tuple):
-        from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
-
-        return add_rms_norm(*x, norm.weight, norm.eps)[1]
-    return norm(x)
+    return fused_norm(norm, x)[1] if isinstance(x, tuple) else norm(x)
 
 
 def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

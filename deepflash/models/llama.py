@@ -12,7 +12,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv import KVCache
 from .base import TargetModel
-from .layers import MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears
+from .layers import (MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
+                     fused_norm)
 
 
 class Attention(nn.Module):
@@ -88,19 +89,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused_forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
-        """The Triton form: each residual add runs inside the kernel of the norm after it (add_rms_norm,
-        layer_kernels.py), so the layer hands its MLP output on unadded, as (residual, mlp output), and
+        """The Triton form: each residual add runs inside the kernel of the norm after it (fused_norm,
+        layer_kernels.add_rms_norm), so the layer hands its MLP output on unadded, as (residual, mlp output), and
         the next layer's input norm (or the final norm: layers.final_norm) adds it. Two kernels per layer
         instead of four; x is such a pair or, after a feature tap (layers.settled), one tensor, which the
         same kernel normalises: a step with taps (speculative) rounds as one without (plain)."""
-        from .layer_kernels import add_rms_norm
-
-        norm = self.input_layernorm
-        residual, delta = x if isinstance(x, tuple) else (x, None)
-        x, h = add_rms_norm(residual, delta, norm.weight, norm.eps)
+        x, h = fused_norm(self.input_layernorm, x)
         attn = self.self_attn(h, cos, sin, positions, cache, layer, kv_len, mask)
-        norm = self.post_attention_layernorm
-        x, h = add_rms_norm(x, attn, norm.weight, norm.eps)
+        x, h = fused_norm(self.post_attention_layernorm, (x, attn))
         return x, self.mlp(h)
 
 
