@@ -5,7 +5,9 @@ exponential averages of those three from measured steps; below break-even minus 
 plain burst, then probes speculation again. Features are captured during plain steps too, so a probe
 drafts with the full context (the drafter's K/V of the burst is computed in one batch when it starts).
 Consecutive failed probes double the burst (up to 8x) so that a drafter that never pays costs almost
-nothing.
+nothing. After a failed probe, the next probe is one spec step, judged alone, and plain steps run while
+its result is on its way: the engine queues steps ahead (engine.PIPELINE_DEPTH), and a second spec step
+queued behind the probe would be spent before the verdict.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class SpecController:
     margin: float = 0.05
     burst: int = 40  # plain tokens between probes
     alpha: float = 0.3  # EMA weight of the newest step
-    min_spec_steps: int = 2  # measured spec steps before a verdict
+    min_spec_steps: int = 2  # measured spec steps before a verdict (one after a failed probe)
     max_backoff: int = 8
     al: float | None = None
     t_spec: float | None = None
@@ -27,6 +29,7 @@ class SpecController:
     plain_left: int = 0
     spec_seen: int = 0
     failed_probes: int = 0
+    spec_in_flight: int = 0  # spec steps decided and not yet recorded
 
     def __post_init__(self):
         if self.mode not in ("auto", "on", "off"):
@@ -37,9 +40,14 @@ class SpecController:
         probe backoff carry over, so a drafter that failed on the last requests gets a long burst as
         soon as its opening probe fails again (a success resets the backoff)."""
         self.al = None
-        self.plain_left = self.spec_seen = 0
+        self.plain_left = self.spec_seen = self.spec_in_flight = 0  # the last request's queued steps were dropped
 
     def use_spec(self) -> bool:
+        spec = self._decide()
+        self.spec_in_flight += spec
+        return spec
+
+    def _decide(self) -> bool:
         if self.mode != "auto":
             return self.mode == "on"
         if self.plain_left > 0:
@@ -47,13 +55,17 @@ class SpecController:
         if self.t_plain is None and self.spec_seen >= self.min_spec_steps:
             self.plain_left = 1  # one plain step to learn its cost
             return False
+        if self.failed_probes and self.spec_in_flight:
+            return False  # a probe after failures is one step: plain steps until its verdict
         return True
 
     def record_spec(self, committed: int, seconds: float) -> None:
+        self.spec_in_flight -= 1
         self.al = self._ema(self.al, committed)
         self.t_spec = self._ema(self.t_spec, seconds)
         self.spec_seen += 1
-        if self.mode == "auto" and self.spec_seen >= self.min_spec_steps and self.t_plain is not None:
+        judged_after = 1 if self.failed_probes else self.min_spec_steps
+        if self.mode == "auto" and self.spec_seen >= judged_after and self.t_plain is not None:
             if self.speedup() < 1 - self.margin:
                 self.plain_left = self.burst * min(2**self.failed_probes, self.max_backoff)
                 self.failed_probes += 1

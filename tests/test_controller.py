@@ -1,17 +1,23 @@
 """Adaptive speculation with a fake clock: step costs and acceptance are fed in directly."""
 
+from collections import deque
+
 import pytest
 
 from deepflash.controller import SpecController
+from deepflash.engine import PIPELINE_DEPTH
 
 
-def drive(controller: SpecController, steps: int, accepted_per_spec: float, t_plain: float, t_spec: float) -> list[bool]:
-    """Run `steps` decisions; spec steps commit `accepted_per_spec` tokens in t_spec, plain steps take t_plain."""
-    trace = []
-    for _ in range(steps):
-        spec = controller.use_spec()
-        trace.append(spec)
-        if spec:
+def drive(controller: SpecController, steps: int, accepted_per_spec: float, t_plain: float, t_spec: float,
+          queued: int = 1) -> list[bool]:
+    """Run `steps` decisions; spec steps commit `accepted_per_spec` tokens in t_spec, plain steps take t_plain.
+    queued > 1: that many decisions are made before the oldest one's record, as the engine queues steps."""
+    trace, pending = [], deque()
+    while len(trace) < steps or pending:
+        while len(pending) < queued and len(trace) < steps:
+            pending.append(controller.use_spec())
+            trace.append(pending[-1])
+        if pending.popleft():
             controller.record_spec(accepted_per_spec, t_spec)
         else:
             controller.record_plain(t_plain)
@@ -49,7 +55,28 @@ def test_backoff_carries_over_to_the_next_request():
     c.new_request()
     trace = drive(c, 60, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
     assert trace[0]  # each request opens with a probe
-    assert sum(trace) <= 3 and c.plain_left > c.burst  # whose failure buys a long burst at once
+    assert sum(trace) == 1 and c.plain_left > c.burst  # of one step, whose failure buys a long burst at once
+
+
+def test_a_probe_after_failures_is_one_spec_step_even_with_steps_queued():
+    """With the engine's queue, a second spec step behind the probe would run before the verdict: after a
+    failure the controller queues plain steps behind a probe instead."""
+    c = SpecController("auto")
+    drive(c, 300, accepted_per_spec=1, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
+    for _ in range(3):
+        c.new_request()
+        trace = drive(c, 100, accepted_per_spec=1, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
+        assert trace[0] and sum(trace) == 1
+
+
+def test_queued_steps_keep_a_good_drafter_speculating_and_bring_it_back():
+    c = SpecController("auto")
+    trace = drive(c, 200, accepted_per_spec=8, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
+    assert sum(trace) >= 197
+    drive(c, 300, accepted_per_spec=1, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
+    assert c.failed_probes >= 2
+    trace = drive(c, 800, accepted_per_spec=6, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
+    assert all(trace[-100:]) and c.failed_probes == 0
 
 
 def test_break_even_margin():

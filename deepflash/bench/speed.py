@@ -29,7 +29,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
     end to end."""
     for ids in prompts:
         engine.complete(ids, params)
-    tokens = steps = committed = 0
+    tokens = steps = committed = plain_steps = 0
     wall = decode = 0.0
     outputs, per_prompt = [], []
     for ids in prompts:
@@ -45,8 +45,11 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
         if r.spec is not None:
             steps += r.spec.steps
             committed += r.spec.committed
+            plain_steps += r.spec.plain_steps
     out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode, "outputs": outputs,
            "per_prompt": per_prompt}
+    if engine.drafter is not None:  # how the controller split the steps (a never-matching drafter's probes)
+        out.update(spec_steps=steps, plain_steps=plain_steps)
     if steps:
         out["acceptance_length"] = committed / steps
     return out
@@ -132,6 +135,8 @@ def run(args) -> dict:
         "deepflash plain": lambda: Engine(target, tok, max_ctx=ctx),
         "deepflash dflash (spec auto)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="auto"),
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
+        # plain steps that still capture features for the drafter: what that capture costs on its own
+        "deepflash dflash (spec off)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="off"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
             target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
         "deepflash plain" + TORCH_KERNELS: lambda: Engine(target, tok, max_ctx=ctx, target_kernels="torch"),
@@ -187,11 +192,12 @@ def run(args) -> dict:
             # (transformers' outputs follow their own stop rules and kernels, so they are not compared)
             r["same_output_as_our_plain"] = sum(a == b for a, b in zip(outputs, reference))
         rows.append([name, r.get("tok_per_s", r.get("decode_tok_per_s", r.get("error", "-"))),
-                     ratio if ratio is not None else "-", r.get("acceptance_length", "-"), r.get("mbu", "-"),
+                     ratio if ratio is not None else "-", r.get("acceptance_length", "-"),
+                     f"{r['spec_steps']} / {r['plain_steps']}" if "spec_steps" in r else "-", r.get("mbu", "-"),
                      f"{r['same_output_as_our_plain']}/{len(prompts)}" if "same_output_as_our_plain" in r else "-"])
     table(f"speed: {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy; outputs compared with our "
           f"plain decode on the same target kernels (plain on torch's kernels: with plain on the default ones)",
-          ["system", "tok/s", "vs our plain", "AL", "MBU", "same output as our plain"], rows)
+          ["system", "tok/s", "vs our plain", "AL", "spec / plain steps", "MBU", "same output as our plain"], rows)
     record = {"bench": "speed", **environment(device), "copy_bandwidth_gb_s": bandwidth, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "results": results}
     return finish(record, args.out)

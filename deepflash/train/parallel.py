@@ -112,7 +112,7 @@ def _worker(rank: int, workers: int, port: int, tc, load: Callable, device: torc
         target, tokenizer = load(mine)
         Trainer(tc, target, tokenizer, mine, Group(rank, workers)).run()
         # every worker reaches the teardown before any destroys the group: rank 0 hosts the rendezvous
-        # store, and tearing it down under a peer still using it aborted now and then (gloo, on the CPU).
+        # store, which its peers' teardown still uses.
         # Not in `finally`: a worker that failed must not wait here for peers stuck in a collective.
         dist.barrier()
     finally:
