@@ -1,9 +1,12 @@
 """The target's Triton kernels (models/rope_kernel.py, decode_kernel.py, layer_kernels.py) compute what
 the torch forms do (on the CPU in Triton's interpreter: helpers.triton_device)."""
 
+from collections import Counter
+
 import pytest
 import torch
 from helpers import llama_config, triton_device
+from torch.overrides import TorchFunctionMode
 
 from deepflash.models import random_model
 
@@ -14,7 +17,7 @@ DEVICE = triton_device()
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 def test_triton_kernels_match_torch_in_the_model(qk_norm, partial):
     """Prefill then decode steps with the kernels on and off: same logits, the same features at a middle
-    tap (where the fused layers' pending residual add is settled) and the last, and the same cache rows."""
+    tap (read from the next norm's kernel: layers.tap) and the last, and the same cache rows."""
     cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
                        num_hidden_layers=3)
     assert cfg.qk_norm == qk_norm
@@ -33,6 +36,36 @@ def test_triton_kernels_match_torch_in_the_model(qk_norm, partial):
             torch.testing.assert_close(triton_features, torch_features, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches[1].k[:, :, :, :15], caches[0].k[:, :, :, :15], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].v[:, :, :, :15], caches[0].v[:, :, :, :15])
+
+
+def test_feature_taps_change_no_kernel_output():
+    """A forward that captures features returns the same logits, bit for bit, as one that does not, on
+    Triton's kernels: a tap reads the sum the next norm's kernel writes anyway (layers.tap), so a
+    speculative step's target forward rounds as a plain one."""
+    cfg = llama_config(num_hidden_layers=4)
+    model = random_model(cfg, DEVICE, torch.bfloat16, std=0.2)
+    model.use_kernels("triton")
+    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    runs, calls = [], []
+    for capture in [(), (0, 1, 3), (2,)]:
+        with TorchCalls() as seen:
+            runs.append(model(ids, torch.arange(6, device=DEVICE), model.new_cache(1, 16), 8, capture=capture))
+        calls.append(seen.counts)
+    assert all(torch.equal(logits, runs[0][0]) for logits, _ in runs)
+    # the taps cost only their concatenation: no add of their own, no other torch call
+    assert calls[1] - calls[0] == calls[2] - calls[0] == Counter({"cat": 1}) and not calls[0] - calls[1]
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts the torch functions called inside the block, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.counts[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("groups,dim", [(3, 64), (4, 128), (1, 16)])
@@ -113,8 +146,8 @@ def test_layer_kernels_match_torch(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(total, x + y)
     torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + y, (576,), weight, 1e-5), **tol)
-    settled, settled_normed = add_rms_norm(total, None, weight, 1e-5)  # a feature tap's settled sum
-    assert settled is total and torch.equal(settled_normed, normed)
+    same, same_normed = add_rms_norm(total, None, weight, 1e-5)  # no add (layer 0): the same rounding
+    assert same is total and torch.equal(same_normed, normed)
     gate_up = torch.randn(4, 2 * 1536, generator=gen).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **tol)

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .layers import final_norm, settled
+from .layers import final_norm, tap
 
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
@@ -98,8 +98,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = run_layer(i, layer, x)
             if i in capture and i != last:
-                x = settled(x)
-                taps[i] = x
+                taps[i], x = tap(x, self.model.layers[i + 1].input_layernorm)
         x = final_norm(self.model.norm, x)
         if last in capture:
             taps[last] = x

@@ -20,8 +20,8 @@ except ImportError:  # torch's CPU builds do not bring Triton
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) over the last dim; the sum is rounded to the input dtype before
-    it is normalised, as the torch form does. y None: (x, rms_norm(x) * weight) by the same kernel, so
-    that a sum settled apart (layers.settled, at a feature tap) is normalised with the same rounding."""
+    it is normalised, as the torch form does. y None: (x, rms_norm(x) * weight) by the same kernel (the
+    first layer's input, the embeddings)."""
     width = x.shape[-1]
     x = x.contiguous()
     normed = torch.empty_like(x)

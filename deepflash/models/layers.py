@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +27,24 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def settled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A decoder layer's output as one tensor: fused layers (llama.DecoderLayer.fused_forward) hand on
-    (residual, MLP output) for the next norm's kernel to add; a feature tap needs the sum itself."""
-    return x[0] + x[1] if isinstance(x, tuple) else x
+@dataclass(frozen=True)
+class Normed:
+    """A layer input whose input norm already ran (at a feature tap: `tap`): the residual stream and its
+    normed copy. Not a tuple, which is a fused layer's (residual, pending MLP output)."""
+
+    residual: torch.Tensor
+    hidden: torch.Tensor
+
+
+def tap(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], next_norm: nn.Module):
+    """A feature tap after a layer: (the layer's residual output, the next layer's input). A fused layer
+    (llama.DecoderLayer.fused_forward) hands on (residual, MLP output) for the next input norm's kernel
+    to add, and that kernel writes the sum anyway: the tap reads it there, and the next layer gets its
+    input already normed. So capturing features adds no kernel and changes no rounding."""
+    if not isinstance(x, tuple):
+        return x, x
+    residual, hidden = fused_norm(next_norm, x)
+    return residual, Normed(residual, hidden)
 
 
 def fused_norm(norm: RMSNorm, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv import KVCache
 from .base import TargetModel
-from .layers import (MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
+from .layers import (MLP, Normed, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
                      fused_norm)
 
 
@@ -92,9 +92,9 @@ class DecoderLayer(nn.Module):
         """The Triton form: each residual add runs inside the kernel of the norm after it (fused_norm,
         layer_kernels.add_rms_norm), so the layer hands its MLP output on unadded, as (residual, mlp output), and
         the next layer's input norm (or the final norm: layers.final_norm) adds it. Two kernels per layer
-        instead of four; x is such a pair or, after a feature tap (layers.settled), one tensor, which the
-        same kernel normalises: a step with taps (speculative) rounds as one without (plain)."""
-        x, h = fused_norm(self.input_layernorm, x)
+        instead of four; x is such a pair, the embeddings (layer 0), or after a feature tap a layers.Normed
+        whose input norm already ran (layers.tap)."""
+        x, h = (x.residual, x.hidden) if isinstance(x, Normed) else fused_norm(self.input_layernorm, x)
         attn = self.self_attn(h, cos, sin, positions, cache, layer, kv_len, mask)
         x, h = fused_norm(self.post_attention_layernorm, (x, attn))
         return x, self.mlp(h)
