@@ -14,8 +14,10 @@ the copy bandwidth. Two other forms measured slower (BENCHMARKS.md, seventh sess
 run of byte lanes, the codes loaded again at their lanes (0.40 / 0.43), and the codes as 16-bit pairs
 from strided loads (0.49 / 0.39).
 
-GROUPS and the warps per program come from SHAPES, the best measured on the H200 (BENCHMARKS.md);
-`deepflash bench rings --triton-shapes` times other pairs.
+How the work is cut comes from SHAPES (the best measured on the H200, BENCHMARKS.md): GROUPS blocks per
+work item, warps per program, and ITEMS consecutive work items per program whose loads, with STAGES > 1,
+Triton pipelines behind the previous items' work (cp.async on the GPU). `deepflash bench rings
+--triton-shapes` times other shapes.
 
 Triton is optional (CUDA machines have it with torch); `TRITON_INTERPRET=1` runs the kernels on the
 CPU, which is how the tests check them without a GPU.
@@ -24,6 +26,7 @@ CPU, which is how the tests check them without a GPU.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -36,25 +39,45 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
 CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
-# (blocks of 32 values per program, warps per program) for each kernel and format
-SHAPES = {("write", "q4_0"): (32, 1), ("write", "q8_0"): (16, 1)}
-DEFAULT_SHAPE = (32, 4)
-_override: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    groups: int  # blocks of 32 values per work item (a row's run of GROUPS x 32 values)
+    warps: int  # per program
+    items: int = 1  # consecutive work items per program
+    stages: int = 1  # > 1: an item's loads are issued that many items ahead
+
+    def __str__(self) -> str:
+        return "x".join(str(v) for v in (self.groups, self.warps, self.items, self.stages))
+
+
+SHAPES = {("write", "q4_0"): Shape(32, 1), ("write", "q8_0"): Shape(16, 1)}
+DEFAULT_SHAPE = Shape(32, 4)
+_override: Shape | None = None
 
 
 @contextlib.contextmanager
-def shape_override(groups: int, warps: int):
-    """Run every kernel with this (GROUPS, warps) inside the block: how bench rings times other pairs."""
+def shape_override(shape: Shape):
+    """Run every kernel with this shape inside the block: how bench rings times other shapes."""
     global _override
-    _override = (groups, warps)
+    _override = shape
     try:
         yield
     finally:
         _override = None
 
 
-def _shape(kernel: str, fmt: RowFormat) -> tuple[int, int]:
+def _shape(kernel: str, fmt: RowFormat) -> Shape:
     return _override or SHAPES.get((kernel, fmt.name), DEFAULT_SHAPE)
+
+
+def _launch(kernel, shape: Shape, n: int, width: int, *args, **constexprs) -> None:
+    """One program per ITEMS work items; a work item is GROUPS blocks of one of the n rows."""
+    items = n * triton.cdiv(triton.cdiv(width, QK), shape.groups)
+    kernel[(triton.cdiv(items, shape.items),)](*args, n, width, GROUPS=shape.groups, ITEMS=shape.items,
+                                               STAGES=shape.stages, num_warps=shape.warps, enable_fp_fusion=False,
+                                               **constexprs)
 
 
 def available() -> bool:
@@ -65,11 +88,8 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
           rows: torch.Tensor) -> None:
     """Encode rows [n, width] and store them at slot = position % capacity, tags included."""
     n, width = rows.shape
-    rows = rows.contiguous()
-    groups, warps = _shape("write", fmt)
-    _write[(n, triton.cdiv(triton.cdiv(width, QK), groups))](
-        rows, positions, data, tags, width, data.shape[1], data.shape[0], CODES[fmt.name], GROUPS=groups,
-        BLOCK_BYTES=fmt.block_bytes, num_warps=warps, enable_fp_fusion=False)
+    _launch(_write, _shape("write", fmt), n, width, rows.contiguous(), positions, data, tags, data.shape[1],
+            data.shape[0], FMT=CODES[fmt.name], BLOCK_BYTES=fmt.block_bytes)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,10 +97,8 @@ def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float3
     width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
-    groups, warps = _shape("decode", fmt)
-    _decode[(data.shape[0], triton.cdiv(triton.cdiv(width, QK), groups))](
-        data, out, width, data.shape[1], CODES[fmt.name], GROUPS=groups, BLOCK_BYTES=fmt.block_bytes,
-        num_warps=warps, enable_fp_fusion=False)
+    _launch(_decode, _shape("decode", fmt), data.shape[0], width, data, out, data.shape[1], FMT=CODES[fmt.name],
+            BLOCK_BYTES=fmt.block_bytes)
     return out
 
 
@@ -97,23 +115,38 @@ if triton is not None:
         return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)
 
     @triton.jit
-    def _write(rows, positions, data, tags, width, row_elems, capacity, FMT: tl.constexpr, GROUPS: tl.constexpr,
-               BLOCK_BYTES: tl.constexpr):
-        r = tl.program_id(0)
-        chunk = tl.program_id(1)
-        pos = tl.load(positions + r)
+    def _item(n, width, ITEMS: tl.constexpr, GROUPS: tl.constexpr, i):
+        """Work item i of this program: (its row, its place in the row in GROUPS blocks, whether it exists:
+        the last program's may not)."""
+        work = tl.program_id(0) * ITEMS + i
+        per_row = tl.cdiv(tl.cdiv(width, 32), GROUPS)
+        r = work // per_row
+        return r, work % per_row, r < n
+
+    @triton.jit
+    def _write(rows, positions, data, tags, row_elems, capacity, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr,
+               BLOCK_BYTES: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr):
+        # a constant trip count: Triton's interpreter (the CPU tests) cannot loop to a runtime bound
+        for i in tl.range(0, ITEMS, num_stages=STAGES):
+            r, chunk, exists = _item(n, width, ITEMS, GROUPS, i)
+            _write_item(rows, positions, data, tags, row_elems, capacity, width, r, chunk, exists, FMT, GROUPS,
+                        BLOCK_BYTES)
+
+    @triton.jit
+    def _write_item(rows, positions, data, tags, row_elems, capacity, width, r, chunk, exists, FMT: tl.constexpr,
+                    GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+        pos = tl.load(positions + r, mask=exists, other=0)
         slot = pos % capacity
-        if chunk == 0:
-            tl.store(tags + slot, pos)
+        tl.store(tags + slot, pos, mask=exists & (chunk == 0))
         group = chunk * GROUPS + tl.arange(0, GROUPS)
         cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
-        inside = cols < width
+        inside = (cols < width) & exists
         out = data + slot * row_elems
         if FMT < 3:  # plain: a cast
             x = tl.load(rows + r * width + cols, mask=inside, other=0.0)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
-            live = group < width // 32
+            live = (group < width // 32) & exists
             block = group * BLOCK_BYTES  # even: the fp16 scale at a block's start is 2-byte aligned
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
                 x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
@@ -137,16 +170,23 @@ if triton is not None:
             tl.store((out + block).to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=live)
 
     @triton.jit
-    def _decode(data, out, width, row_elems, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
-        r = tl.program_id(0)
-        group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    def _decode(data, out, row_elems, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                ITEMS: tl.constexpr, STAGES: tl.constexpr):
+        for i in tl.range(0, ITEMS, num_stages=STAGES):
+            r, chunk, exists = _item(n, width, ITEMS, GROUPS, i)
+            _decode_item(data, out, row_elems, width, r, chunk, exists, FMT, GROUPS, BLOCK_BYTES)
+
+    @triton.jit
+    def _decode_item(data, out, row_elems, width, r, chunk, exists, FMT: tl.constexpr, GROUPS: tl.constexpr,
+                     BLOCK_BYTES: tl.constexpr):
+        group = chunk * GROUPS + tl.arange(0, GROUPS)
         cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
-        inside = cols < width
+        inside = (cols < width) & exists
         src = data + r * row_elems
         if FMT < 3:
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
         else:
-            live = group < width // 32
+            live = (group < width // 32) & exists
             block = group * BLOCK_BYTES
             lo = tl.load(src + block, mask=live, other=0).to(tl.int32)
             hi = tl.load(src + block + 1, mask=live, other=0).to(tl.int32)

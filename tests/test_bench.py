@@ -4,6 +4,7 @@ import pytest
 
 from deepflash.bench.rings import parse_shape
 from deepflash.bench.speed import TORCH_KERNELS, plain_of
+from deepflash.ring_kernels import Shape
 from deepflash.errors import UserError
 
 
@@ -15,6 +16,8 @@ def test_each_system_is_checked_against_plain_decode_on_its_own_kernels():
 
 
 def test_ring_shapes_parse_or_explain():
-    assert parse_shape("32x4") == (32, 4)
-    with pytest.raises(UserError, match="GROUPSxWARPS"):
-        parse_shape("32-4")
+    assert parse_shape("32x4") == Shape(32, 4, 1, 1)
+    assert parse_shape("16x1x8x3") == Shape(16, 1, 8, 3) and str(Shape(16, 1, 8, 3)) == "16x1x8x3"
+    for bad in ("32-4", "32x4x2", "16x0"):
+        with pytest.raises(UserError, match="GROUPSxWARPS"):
+            parse_shape(bad)

@@ -70,16 +70,18 @@ def test_engine_with_triton_rings_keeps_the_greedy_contract(feature_dtype):
     assert spec.token_ids == Engine(target, tokenizer).complete(ids, params).token_ids
 
 
-@pytest.mark.parametrize("shape", [(8, 1), (64, 8)])
+@pytest.mark.parametrize("shape", [(8, 1), (64, 8), (16, 1, 4, 3), (32, 2, 5, 2)])
 def test_every_program_shape_stores_the_same_bytes(shape):
-    """bench rings --triton-shapes times other (GROUPS, warps) pairs: they must store the same bytes."""
+    """bench rings --triton-shapes times other shapes: they must store the same bytes, also where the
+    last program's work items run past the rows (3 rows of 2880 values are 18 or 9 items)."""
     from deepflash import ring_kernels
 
-    for fmt in ("q8_0", "q4_0"):
+    for fmt in ("f16", "q8_0", "q4_0"):
         rows = awkward_rows(3, 2880)
         torch_ring, triton_ring = (FeatureRing(4, 2880, FORMATS[fmt], DEVICE, kernels=k) for k in ("torch", "triton"))
         torch_ring.write(torch.arange(3, device=DEVICE), rows)
-        with ring_kernels.shape_override(*shape):
+        with ring_kernels.shape_override(ring_kernels.Shape(*shape)):
             triton_ring.write(torch.arange(3, device=DEVICE), rows)
+            assert torch.equal(torch_ring.tags, triton_ring.tags)
             assert torch.equal(torch_ring.data, triton_ring.data)
             assert torch.equal(torch_ring.read(0, 3), triton_ring.read(0, 3))

@@ -50,11 +50,12 @@ def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kerne
             "row_bytes": fmt.row_bytes(width)}
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    groups, _, warps = text.partition("x")
-    if not (groups.isdigit() and warps.isdigit()):
-        raise UserError(f"--triton-shapes: {text!r} is not GROUPSxWARPS, e.g. 32x4")
-    return int(groups), int(warps)
+def parse_shape(text: str) -> ring_kernels.Shape:
+    parts = text.split("x")
+    if len(parts) not in (2, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise UserError(f"--triton-shapes: {text!r} is not GROUPSxWARPS or GROUPSxWARPSxITEMSxSTAGES, e.g. 32x4 "
+                        "or 16x1x8x3")
+    return ring_kernels.Shape(*map(int, parts))
 
 
 def measure(device, bandwidth: float, fmt: str, args, kernels: str) -> dict:
@@ -74,10 +75,10 @@ def run(args) -> dict:
         names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
         for fmt in names:
             results[f"{fmt} {kernels}"] = measure(device, bandwidth, fmt, args, kernels)
-    for groups, warps in shapes:
-        with ring_kernels.shape_override(groups, warps):
+    for shape in shapes:
+        with ring_kernels.shape_override(shape):
             for fmt in FORMATS:
-                results[f"{fmt} triton {groups}x{warps}"] = measure(device, bandwidth, fmt, args, "triton")
+                results[f"{fmt} triton {shape}"] = measure(device, bandwidth, fmt, args, "triton")
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
     table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
           f"{bandwidth:.0f} GB/s)", ["dtype, kernels", "write GB/s", "of copy", "dequant GB/s", "of copy"],
@@ -99,7 +100,8 @@ def register(sub) -> None:
                    help="comma list of ring kernels to time: torch (eager), compile (torch.compile, the engine's "
                         "--compile), triton (hand-written, one pass each way)")
     p.add_argument("--triton-shapes",
-                   help="comma list of GROUPSxWARPS (e.g. 16x1,32x4,64x8) to time the Triton kernels with, every "
-                        "format, besides their defaults (ring_kernels.SHAPES)")
+                   help="comma list of GROUPSxWARPS[xITEMSxSTAGES] (e.g. 16x1,32x4,16x1x8x3) to time the Triton "
+                        "kernels with, every format, besides their defaults (ring_kernels.SHAPES): blocks per work "
+                        "item, warps per program, work items per program, pipeline stages")
     p.add_argument("--out")
     p.set_defaults(func=run)
