@@ -93,12 +93,14 @@ if triton is not None:
             seen = n <= last
             kv_offsets = base + n[:, None] * DIM + d[None, :]
             k = tl.load(k_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
+            # V's load issued with K's, before the softmax that needs only K, so that the two memory round
+            # trips can overlap (written after the softmax, V's loads also came after it in the PTX)
+            v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
             s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK]
             s = tl.where(seen[None, :], s, -1e30)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.where(seen[None, :], tl.exp(s - m_new[:, None]), 0.0)
             keep = tl.exp(m - m_new)
-            v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
             acc = acc * keep[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             total = total * keep + tl.sum(p, axis=1)
             m = m_new
