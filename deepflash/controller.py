@@ -7,7 +7,8 @@ drafts with the full context (the drafter's K/V of the burst is computed in one 
 Consecutive failed probes double the burst (up to 8x) so that a drafter that never pays costs almost
 nothing. After a failed probe, the next probe is one spec step, judged alone, and plain steps run while
 its result is on its way: the engine queues steps ahead (engine.PIPELINE_DEPTH), and a second spec step
-queued behind the probe would be spent before the verdict.
+queued behind the probe would be spent before the verdict. Spec steps queued before a failed verdict
+are not taken as the next probe.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SpecController:
     spec_seen: int = 0
     failed_probes: int = 0
     spec_in_flight: int = 0  # spec steps decided and not yet recorded
+    stale_spec: int = 0  # spec steps queued before the last failed verdict: no evidence for the next probe
 
     def __post_init__(self):
         if self.mode not in ("auto", "on", "off"):
@@ -40,7 +42,8 @@ class SpecController:
         probe backoff carry over, so a drafter that failed on the last requests gets a long burst as
         soon as its opening probe fails again (a success resets the backoff)."""
         self.al = None
-        self.plain_left = self.spec_seen = self.spec_in_flight = 0  # the last request's queued steps were dropped
+        # the last request's queued steps were dropped
+        self.plain_left = self.spec_seen = self.spec_in_flight = self.stale_spec = 0
 
     def use_spec(self) -> bool:
         spec = self._decide()
@@ -61,6 +64,9 @@ class SpecController:
 
     def record_spec(self, committed: int, seconds: float) -> None:
         self.spec_in_flight -= 1
+        if self.stale_spec:
+            self.stale_spec -= 1
+            return
         self.al = self._ema(self.al, committed)
         self.t_spec = self._ema(self.t_spec, seconds)
         self.spec_seen += 1
@@ -70,6 +76,7 @@ class SpecController:
                 self.plain_left = self.burst * min(2**self.failed_probes, self.max_backoff)
                 self.failed_probes += 1
                 self.spec_seen = 0  # the next probe is judged on fresh steps
+                self.stale_spec = self.spec_in_flight
                 self.al = self.t_spec = None
             else:
                 self.failed_probes = 0

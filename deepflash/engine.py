@@ -97,7 +97,8 @@ class Launched:
     size: int
     began: float
     host: torch.Tensor  # this step's own host copy of StepState.result (several steps are in flight)
-    ready: torch.cuda.Event | None = None
+    ready: torch.cuda.Event | None = None  # None: the device ran the step inside its launch (the CPU)
+    launch_s: float = 0.0
 
 
 class Engine:
@@ -270,7 +271,7 @@ class Engine:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(kind, size, began, host, ready)
+        return Launched(kind, size, began, host, ready, time.perf_counter() - began)
 
     def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> None:
         """Before drafting: give the drafter the context K/V of the positions plain steps committed.
@@ -289,8 +290,10 @@ class Engine:
     def _collect(self, seq: Sequence, launched: Launched, spec: SpecStats | None) -> list[int]:
         committed = self._read_result(launched)
         now = time.perf_counter()
-        # a queued step starts when the previous one ends: its own time runs from the later of the two
-        seconds = now - max(launched.began, self._last_collect)
+        # a queued step starts when the previous one ends: its own time runs from the later of the two.
+        # A step that ran inside its launch took its launch's time (between two collects, the CPU ran
+        # the step launched after the first, not the one collected).
+        seconds = now - max(launched.began, self._last_collect) if launched.ready is not None else launched.launch_s
         self._last_collect = now
         seq.processed += len(committed)
         seq.generated += len(committed)

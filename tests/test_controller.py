@@ -69,6 +69,17 @@ def test_a_probe_after_failures_is_one_spec_step_even_with_steps_queued():
         assert trace[0] and sum(trace) == 1
 
 
+def test_a_spec_step_queued_before_a_failed_verdict_is_not_the_next_probe():
+    c = SpecController("auto", t_plain=1.0)
+    assert c.use_spec() and c.use_spec()  # two queued
+    c.record_spec(1, 1.6)
+    assert c.use_spec()  # a third queued before the verdict
+    c.record_spec(1, 1.6)  # the verdict: 0.63x, a burst
+    assert c.failed_probes == 1 and c.plain_left == c.burst
+    c.record_spec(8, 1.6)  # the third, lucky: it must not pass as a probe and reset the backoff
+    assert c.failed_probes == 1 and c.al is None and not c.use_spec()
+
+
 def test_queued_steps_keep_a_good_drafter_speculating_and_bring_it_back():
     c = SpecController("auto")
     trace = drive(c, 200, accepted_per_spec=8, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)

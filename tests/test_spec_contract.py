@@ -114,13 +114,17 @@ def test_steps_have_no_host_syncs():
 
 def test_auto_mode_stops_speculating_with_a_useless_drafter():
     """On the CPU a verify step costs more than a plain step and random drafts never match: `auto`
-    falls back to plain steps, and the output is still the plain output."""
+    falls back to plain steps, and the output is still the plain output, also on the next request, which
+    opens with a probe (tests/test_controller.py checks its length with a fake clock)."""
     drafter = tiny_drafter(drafter_config(TARGET.cfg))
     ids = prompt(10)
     params = SamplingParams(max_new_tokens=60)
-    out = Engine(TARGET, TOKENIZER, drafter, spec="auto").complete(ids, params)
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="auto")
+    out = engine.complete(ids, params)
     assert out.token_ids == plain(ids, params).token_ids
     assert out.spec.plain_steps > 3 * out.spec.steps
+    again = engine.complete(ids, params)
+    assert again.token_ids == out.token_ids and again.spec.steps >= 1
 
 
 @pytest.mark.parametrize("cap", [None, 6])
