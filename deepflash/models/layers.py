@@ -47,11 +47,14 @@ def tap(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], next_norm: nn.Modul
     return residual, Normed(residual, hidden)
 
 
-def fused_norm(norm: RMSNorm, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_norm(norm: RMSNorm, x) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, normed) by the Triton kernel (layer_kernels.add_rms_norm) of a layer input that is one
-    tensor or a fused layer's (residual, MLP output): the pending add runs inside the norm's kernel."""
+    tensor or a fused layer's (residual, MLP output): the pending add runs inside the norm's kernel. A
+    Normed input (after a feature tap) already holds both."""
     from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
 
+    if isinstance(x, Normed):
+        return x.residual, x.hidden
     residual, delta = x if isinstance(x, tuple) else (x, None)
     return add_rms_norm(residual, delta, norm.weight, norm.eps)
 

@@ -12,7 +12,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv import KVCache
 from .base import TargetModel
-from .layers import (MLP, Normed, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
+from .layers import (MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
                      fused_norm)
 
 
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
         the next layer's input norm (or the final norm: layers.final_norm) adds it. Two kernels per layer
         instead of four; x is such a pair, the embeddings (layer 0), or after a feature tap a layers.Normed
         whose input norm already ran (layers.tap)."""
-        x, h = (x.residual, x.hidden) if isinstance(x, Normed) else fused_norm(self.input_layernorm, x)
+        x, h = fused_norm(self.input_layernorm, x)
         attn = self.self_attn(h, cos, sin, positions, cache, layer, kv_len, mask)
         x, h = fused_norm(self.post_attention_layernorm, (x, attn))
         return x, self.mlp(h)

@@ -43,19 +43,20 @@ def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
             "top": [{"kernel": k[:110], "per_step": n / steps, "us_per_step": t / steps} for k, (n, t) in top]}
 
 
+def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
+    """Another engine on base's random target, also without stop tokens (every request runs its length)."""
+    made = Engine(base.target, base.tokenizer, drafter, max_ctx=base.max_ctx, **engine_args)
+    made.stop_ids = base.stop_ids
+    return made
+
+
 def capture_profile(plain: Engine, prompt: list[int]) -> dict:
     """Plain steps that capture the shipped drafter's tap features for it (spec off), on the Triton
     kernels: against the plain figures, what feature capture costs per step."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
-
-    def engine(**graphs) -> Engine:
-        made = Engine(plain.target, plain.tokenizer, drafter, max_ctx=plain.max_ctx, spec="off",
-                      target_kernels="triton", **graphs)
-        made.stop_ids = plain.stop_ids
-        return made
-
-    prof = kernel_profile(engine(cuda_graphs=False), prompt, 64)
-    prof["graphs_tok_per_s"] = decode_rate(engine(), prompt, 256)
+    capturing = dict(spec="off", target_kernels="triton")
+    prof = kernel_profile(sibling(plain, drafter, cuda_graphs=False, **capturing), prompt, 64)
+    prof["graphs_tok_per_s"] = decode_rate(sibling(plain, drafter, **capturing), prompt, 256)
     return prof
 
 
@@ -75,26 +76,21 @@ def main():
     for name, shape in [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
         prof = kernel_profile(eager, prompt, 64)
-        graphs = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="torch")
-        graphs.stop_ids = eager.stop_ids
+        graphs = sibling(eager, target_kernels="torch")
         prof["graphs_tok_per_s"] = decode_rate(graphs, prompt, 256)
         # SDPA picks cuDNN attention for the one-query step (10-14 us per layer): the same with it off
         torch.backends.cuda.enable_cudnn_sdp(False)
-        other = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="torch")
-        other.stop_ids = eager.stop_ids
+        other = sibling(eager, target_kernels="torch")
         prof["graphs_tok_per_s_without_cudnn_sdpa"] = decode_rate(other, prompt, 256)
         torch.backends.cuda.enable_cudnn_sdp(True)
         # the target's Triton kernels (TargetModel.use_kernels: rope + cache write, decode attention,
         # add + norm, SwiGLU) in place of the torch forms
         prof["graphs_tok_per_s_triton_kernels"] = None  # without Triton (a CPU dry run): not measured
         if rope_kernel.available():
-            fused = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="triton")
-            fused.stop_ids = eager.stop_ids
+            fused = sibling(eager, target_kernels="triton")
             prof["graphs_tok_per_s_triton_kernels"] = decode_rate(fused, prompt, 256)
             # where the step's time goes on the Triton kernels (the CUDA default), profiled eagerly
-            fused_eager = Engine(eager.target, eager.tokenizer, max_ctx=eager.max_ctx, target_kernels="triton",
-                                 cuda_graphs=False)
-            fused_eager.stop_ids = eager.stop_ids
+            fused_eager = sibling(eager, target_kernels="triton", cuda_graphs=False)
             prof["triton_kernels"] = kernel_profile(fused_eager, prompt, 64)
             del fused, fused_eager
             if name == "smollm2-shaped":  # the shipped drafter's taps fit this shape
