@@ -12,5 +12,10 @@ tail -n 40 /root/results/chain.log
 ls /root/results
 # once a drafter is picked, every keep-alive run also collects (about a second): the seventh session lost
 # a finished chain, drafter included, when its separate collect call came after the machine had gone back
-grep -q "CHAIN_DONE\|CHAIN_FAILED\| pick: rc=" /root/results/chain.log 2>/dev/null && bash scripts/gpu/collect.sh
+# before that, the results so far (logs, JSON) come back with every call, should the machine be taken away
+if grep -q "CHAIN_DONE\|CHAIN_FAILED\| pick: rc=" /root/results/chain.log 2>/dev/null; then
+  bash scripts/gpu/collect.sh
+else
+  tar czf "$OUT/results.tgz" -C /root results
+fi
 true
