@@ -99,6 +99,7 @@ class Launched:
     host: torch.Tensor  # this step's own host copy of StepState.result (several steps are in flight)
     ready: torch.cuda.Event | None = None  # None: the device ran the step inside its launch (the CPU)
     launch_s: float = 0.0
+    timed: bool = True  # False: one-off or other steps' host work ran during it, its time is not its cost
 
 
 class Engine:
@@ -252,17 +253,22 @@ class Engine:
             self._catch_up(seq, inflight, processed)
             draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
             timer.start("draft")
-            self.graphs.run(("draft", size), lambda: draft(size))
+            captured = self.graphs.run(("draft", size), lambda: draft(size))
             timer.stop()
             timer.start("verify")
-            self.graphs.run(("verify", size, kv_len) + sampling, lambda: verify(size, kv_len, params))
+            captured |= self.graphs.run(("verify", size, kv_len) + sampling, lambda: verify(size, kv_len, params))
             timer.stop()
             kind = "spec"
         else:
             kv_len = kv_bucket(processed + 1, self.max_ctx)
             plain = self._step_fn("plain", 1)
-            self.graphs.run(("plain", kv_len) + sampling, lambda: plain(kv_len, params))
+            captured = self.graphs.run(("plain", kv_len) + sampling, lambda: plain(kv_len, params))
             kind, size = "plain", 1
+        for queued in inflight:
+            # a capture delays every step in flight; a spec launch's host work (two graphs, the drafter's
+            # catch-up) can outlast a queued plain step on the device and delay its collect
+            if captured or (kind == "spec" and queued.kind == "plain" and queued.ready is not None):
+                queued.timed = False
         # the host learns the outcome from one small copy; the device already advanced its own inputs
         host = self.host_results[self.launches % len(self.host_results)]
         self.launches += 1
@@ -271,7 +277,7 @@ class Engine:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(kind, size, began, host, ready, time.perf_counter() - began)
+        return Launched(kind, size, began, host, ready, time.perf_counter() - began, timed=not captured)
 
     def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> None:
         """Before drafting: give the drafter the context K/V of the positions plain steps committed.
@@ -294,6 +300,7 @@ class Engine:
         # A step that ran inside its launch took its launch's time (between two collects, the CPU ran
         # the step launched after the first, not the one collected).
         seconds = now - max(launched.began, self._last_collect) if launched.ready is not None else launched.launch_s
+        seconds = seconds if launched.timed else None
         self._last_collect = now
         seq.processed += len(committed)
         seq.generated += len(committed)

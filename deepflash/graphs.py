@@ -32,14 +32,17 @@ class StepGraphs:
         # graph variant (measured: ~1 GB of a 7.8K-token request's peak, issue 4).
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.enabled else None
 
-    def run(self, key: tuple, fn: Callable[[], None]) -> None:
+    def run(self, key: tuple, fn: Callable[[], None]) -> bool:
+        """Run the step; True when this run captured its graph (one-off host and device work)."""
         if not self.enabled:
             fn()
-            return
+            return False
         graph = self.graphs.get(key)
-        if graph is None:
+        captured = graph is None
+        if captured:
             graph = self.graphs[key] = self._capture(fn)
         graph.replay()
+        return captured
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (allocator and library handles must exist before capture), undo the

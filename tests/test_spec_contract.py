@@ -127,6 +127,37 @@ def test_auto_mode_stops_speculating_with_a_useless_drafter():
     assert again.token_ids == out.token_ids and again.spec.steps >= 1
 
 
+def test_steps_delayed_by_a_graph_capture_are_recorded_without_a_time(monkeypatch):
+    """A capture is one-off work: the capturing step and every step queued with it are recorded
+    untimed, so the controller never learns a step cost from one (the CPU has no graphs: captures are
+    simulated by the first run of each graph key)."""
+    drafter = tiny_drafter(drafter_config(TARGET.cfg))
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="auto", block_size=8)
+    seen, run = set(), engine.graphs.run
+
+    def run_capturing_first(key, fn):
+        run(key, fn)
+        captured = key not in seen
+        seen.add(key)
+        return captured
+
+    monkeypatch.setattr(engine.graphs, "run", run_capturing_first)
+    recorded = []
+    for kind in ("spec", "plain"):
+        record = getattr(engine.controller, f"record_{kind}")
+        monkeypatch.setattr(engine.controller, f"record_{kind}",
+                            lambda *a, kind=kind, record=record: (recorded.append((kind, a[-1])), record(*a)))
+    ids = prompt(10)
+    params = SamplingParams(max_new_tokens=40)
+    assert engine.complete(ids, params).token_ids == plain(ids, params).token_ids
+    untimed = [kind for kind, seconds in recorded if seconds is None]
+    # the first spec step captured draft and verify, the first plain step its own graph
+    assert recorded[0] == ("spec", None) and "plain" in untimed
+    assert any(seconds is not None for _, seconds in recorded)
+    first_plain = next(i for i, (kind, _) in enumerate(recorded) if kind == "plain")
+    assert recorded[first_plain][1] is None
+
+
 @pytest.mark.parametrize("cap", [None, 6])
 def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(monkeypatch, cap):
     """Plain steps leave the drafter's context K/V to a catch-up when drafting resumes: before every
@@ -168,7 +199,7 @@ def test_blocks_stay_full_size_to_the_end_of_the_output(monkeypatch):
     engine = Engine(TARGET, TOKENIZER, drafter, spec="on", block_size=8, max_ctx=64)
     keys = []
     run = engine.graphs.run
-    monkeypatch.setattr(engine.graphs, "run", lambda key, fn: (keys.append(key), run(key, fn)))
+    monkeypatch.setattr(engine.graphs, "run", lambda key, fn: keys.append(key) or run(key, fn))
     ids = prompt(10, seed=4)
     params = SamplingParams(max_new_tokens=13)
     assert engine.complete(ids, params).token_ids == plain(ids, params).token_ids
