@@ -185,13 +185,15 @@ class DrafterContext:
         if features.shape[0]:
             self.append(torch.arange(start, start + features.shape[0], device=self.drafter.device), features)
 
-    def masks(self, q_pos: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer [size, cap + size] for a block at positions q_pos: the committed context positions in
-        [start - window, start) that the query may see (sliding: q - p < W), then the block's own keys."""
+    def masks(self, q_pos: torch.Tensor, span: int | None = None) -> list[torch.Tensor]:
+        """Per layer [size, slots + size] for a block at positions q_pos: the committed context positions in
+        [start - window, start) that the query may see (sliding: q - p < W), then the block's own keys.
+        slots: see `kv`."""
         cfg = self.drafter.cfg
         start = q_pos[:1]
         out = []
         for i, tags in enumerate(self.tags):
+            tags = tags[: self._slots(i, span)]
             window = cfg.layer_window(i)
             ctx = ((tags < start) & (tags >= start - self.window) & (tags >= 0))[None, :].expand(q_pos.shape[0], -1)
             if window is not None:
@@ -199,17 +201,27 @@ class DrafterContext:
             out.append(torch.cat([ctx, block_mask(q_pos, q_pos, cfg.layer_is_causal(i), window)], dim=1))
         return out
 
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.k, self.v))
+    def kv(self, span: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K/V over its first min(span, cap) slots. span: a bound on the positions ever
+        appended since the reset (the engine's KV bucket of the block's end). Below its cap a ring has not
+        wrapped, so position p sits in slot p and the slots from span on hold nothing: a short context
+        attends over its few slots, not the whole ring (the draft's attention and K/V copies scale with
+        it). None: every slot."""
+        return [(k[:, :, :n], v[:, :, :n]) for i, (k, v) in enumerate(zip(self.k, self.v))
+                for n in [self._slots(i, span)]]
+
+    def _slots(self, layer: int, span: int | None) -> int:
+        return self.caps[layer] if span is None else min(span, self.caps[layer])
 
 
 def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch.Tensor,
-            q_pos: torch.Tensor) -> torch.Tensor:
-    """Draft tokens for positions q_pos[1:] (argmax) from the block [last, MASK x (size-1)] at q_pos."""
+            q_pos: torch.Tensor, span: int | None = None) -> torch.Tensor:
+    """Draft tokens for positions q_pos[1:] (argmax) from the block [last, MASK x (size-1)] at q_pos.
+    span: DrafterContext.kv's bound on the context positions."""
     mask = torch.full((q_pos.shape[0] - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=q_pos.device)
     block = torch.cat([last.view(1), mask])[None]
     x = drafter.block_embeddings(target.model.embed_tokens, block)
-    hidden = drafter(x, q_pos, context.kv(), context.masks(q_pos))
+    hidden = drafter(x, q_pos, context.kv(span), context.masks(q_pos, span))
     return drafter.logits(hidden[0, 1:], target.lm_head).argmax(dim=-1)
 
 

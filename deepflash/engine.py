@@ -253,7 +253,9 @@ class Engine:
             self._catch_up(seq, inflight, processed)
             draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
             timer.start("draft")
-            captured = self.graphs.run(("draft", size), lambda: draft(size))
+            # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
+            # that many slots (a graph per bucket, as the verify)
+            captured = self.graphs.run(("draft", size, kv_len), lambda: draft(size, kv_len))
             timer.stop()
             timer.start("verify")
             captured |= self.graphs.run(("verify", size, kv_len) + sampling, lambda: verify(size, kv_len, params))

@@ -71,10 +71,11 @@ class Steps:
         s.last.copy_(token)
         s.start += 1
 
-    def draft(self, size: int) -> None:
+    def draft(self, size: int, span: int | None = None) -> None:
+        """span: a bound on every position the drafter's context holds (DrafterContext.kv)."""
         s = self.state
         q_pos = s.start + torch.arange(size, device=s.start.device)
-        s.drafts[: size - 1].copy_(propose(self.drafter, self.target, self.context, s.last, q_pos))
+        s.drafts[: size - 1].copy_(propose(self.drafter, self.target, self.context, s.last, q_pos, span))
 
     def verify(self, size: int, kv_len: int, params: SamplingParams) -> None:
         s = self.state

@@ -90,6 +90,26 @@ def test_drafter_matches_naive_reference(sliding, window, ring):
     assert (ours - ref).abs().max() < 1e-5  # rope tables are float32, as in transformers
 
 
+@pytest.mark.parametrize("sliding", [False, True])
+def test_a_span_past_every_held_position_drafts_as_the_whole_ring(sliding):
+    """The engine's draft attends over the first `span` slots of each ring (its KV bucket): with every
+    held position below span, that is the same attention as over the whole ring."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(target.cfg, layers=2, sliding=sliding, window=4, block_size=6))
+    context = DrafterContext(drafter, 64, slack=6)
+    context.append(torch.arange(0, 13), torch.randn(13, 128, dtype=torch.float64))
+    block = torch.tensor([[7] + [drafter.cfg.mask_token_id] * 5])
+    x = drafter.block_embeddings(target.model.embed_tokens, block)
+    q_pos = torch.arange(10, 16)  # positions 10-12 were appended by an unaccepted verify: masked
+    whole = drafter(x, q_pos, context.kv(), context.masks(q_pos))
+    spanned = drafter(x, q_pos, context.kv(16), context.masks(q_pos, 16))
+    slots = [min(16, cap) for cap in context.caps]  # sliding layers' rings (window + slack) are smaller
+    assert [k.shape[2] for k, _ in context.kv(16)] == slots
+    assert [m.shape for m in context.masks(q_pos, 16)] == [(6, n + 6) for n in slots]
+    assert 16 < max(context.caps)
+    torch.testing.assert_close(spanned, whole, rtol=0, atol=1e-12)
+
+
 def test_context_cache_never_holds_the_block_and_rebuild_equals_incremental():
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(target.cfg, sliding=True, window=4))

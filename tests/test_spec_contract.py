@@ -108,7 +108,7 @@ def test_steps_have_no_host_syncs():
     engine.complete(prompt(10), params)
     steps = engine.steps
     torch._dynamo.reset()
-    for fn, args in [(steps.draft, (8,)), (steps.verify, (8, 256, params)), (steps.plain, (256, params))]:
+    for fn, args in [(steps.draft, (8, 256)), (steps.verify, (8, 256, params)), (steps.plain, (256, params))]:
         torch.compile(fn, fullgraph=True, backend="eager")(*args)
 
 
@@ -161,15 +161,17 @@ def test_steps_delayed_by_a_graph_capture_are_recorded_without_a_time(monkeypatc
 @pytest.mark.parametrize("cap", [None, 6])
 def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(monkeypatch, cap):
     """Plain steps leave the drafter's context K/V to a catch-up when drafting resumes: before every
-    draft, each position the drafter may see has the K/V a rebuild from the mirror gives it, and the
-    output still equals plain decoding."""
+    draft, each position the drafter may see has the K/V a rebuild from the mirror gives it, no position
+    lies past the span the draft attends over, and the output still equals plain decoding."""
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=4))
     engine = Engine(TARGET, TOKENIZER, drafter, spec="auto", feat_ring_cap=cap)
     pattern = iter([True, False, False, False, True, True, False, False] * 20)
     monkeypatch.setattr(engine.controller, "use_spec", lambda: next(pattern))
     steps, draft, checked = engine.steps, engine.steps.draft, []
 
-    def draft_after_checking(size):
+    def draft_after_checking(size, span):
+        # the span the draft attends over bounds every position the drafter's context holds
+        assert max(int(tags.max()) for tags in steps.context.tags) < span
         start = int(engine.state.start)
         lo = max(0, start - steps.features.window)
         rebuilt = DrafterContext(drafter, steps.features.window)
@@ -183,7 +185,7 @@ def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(mon
                 for mine, ref in ((steps.context.k, rebuilt.k), (steps.context.v, rebuilt.v)):
                     torch.testing.assert_close(mine[layer][:, :, ours[0]], ref[layer][:, :, slot])
         checked.append(start)
-        draft(size)
+        draft(size, span)
 
     monkeypatch.setattr(steps, "draft", draft_after_checking)
     ids = prompt(20, seed=3)
