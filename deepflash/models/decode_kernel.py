@@ -89,21 +89,24 @@ if triton is not None:
         acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
         base = bh * S * DIM
         for start in range(0, CHUNK, BLOCK):
-            n = split * CHUNK + start + tl.arange(0, BLOCK)
-            seen = n <= last
-            kv_offsets = base + n[:, None] * DIM + d[None, :]
-            k = tl.load(k_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
-            # V's load issued with K's, before the softmax that needs only K, so that the two memory round
-            # trips can overlap (written after the softmax, V's loads also came after it in the PTX)
-            v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK]
-            s = tl.where(seen[None, :], s, -1e30)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.where(seen[None, :], tl.exp(s - m_new[:, None]), 0.0)
-            keep = tl.exp(m - m_new)
-            acc = acc * keep[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            total = total * keep + tl.sum(p, axis=1)
-            m = m_new
+            # keys past the query's position (the rest of the bucket: on average a quarter of it, and the
+            # block's later tokens) would leave m, total and acc as they are: skip their loads and math
+            if split * CHUNK + start <= last:
+                n = split * CHUNK + start + tl.arange(0, BLOCK)
+                seen = n <= last
+                kv_offsets = base + n[:, None] * DIM + d[None, :]
+                k = tl.load(k_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
+                # V's load issued with K's, before the softmax that needs only K, so that the two memory
+                # round trips can overlap (written after the softmax, V's loads came after it in the PTX)
+                v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
+                s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK]
+                s = tl.where(seen[None, :], s, -1e30)
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                p = tl.where(seen[None, :], tl.exp(s - m_new[:, None]), 0.0)
+                keep = tl.exp(m - m_new)
+                acc = acc * keep[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                total = total * keep + tl.sum(p, axis=1)
+                m = m_new
         out = partial + ((row * tl.num_programs(1) + split) * GROUP_PAD + g) * (DIM + 2)
         tl.store(out[:, None] + d[None, :], acc)
         tl.store(out + DIM, m)
