@@ -134,6 +134,11 @@ class Engine:
                                     slack=self.block_size,
                                     kernels=pick_ring_kernels(ring_kernels, self.device, compile))
             context = DrafterContext(drafter, self.window, slack=self.block_size)
+        # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
+        # the tables cover the target's whole range, so that engines sharing a model share them
+        target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)
+        if drafter is not None:
+            drafter.rotary.tabulate(cfg.max_position_embeddings, drafter.dtype)
         self.state = StepState(self.device, self.block_size)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
         # compiled variants serve the common shapes (full blocks); a request's last, shorter blocks run

@@ -53,6 +53,7 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
     parts = {
         "target weights": target.weight_bytes(),
         "target KV cache": target.kv_bytes_per_token() * max_ctx + target.state_bytes(),
+        "rope tables": target.rotary.table_bytes(cfg.max_position_embeddings, target.dtype),
     }
     window = None
     width = 0
@@ -66,6 +67,7 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         caps = [min(window, dcfg.layer_window(i) or window) for i in range(dcfg.num_layers)]
         kv_row = 2 * dcfg.num_kv_heads * dcfg.head_dim * drafter.dtype.itemsize
         parts["drafter weights"] = drafter.weight_bytes()
+        parts["rope tables"] += drafter.rotary.table_bytes(cfg.max_position_embeddings, drafter.dtype)
         parts["target feature ring"] = window * (ring_row + TAG_BYTES)
         parts["drafter mirror"] = 0 if same else window * (mirror_row + TAG_BYTES)
         parts["drafter context K/V"] = sum(caps) * (kv_row + TAG_BYTES)

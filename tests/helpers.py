@@ -148,7 +148,7 @@ def third_token_check(engine, monkeypatch, runs: int, propose_modes: bool) -> tu
             third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
     if propose_modes:
         modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
-        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos: torch.tensor(
+        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos, span: torch.tensor(
             [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])]))
     counts: dict[int, int] = {}
     accepted = 0

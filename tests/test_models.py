@@ -59,6 +59,45 @@ def test_prefill_and_decode_match_transformers(kind):
         assert (torch.cat(step_logits, dim=1) - ref.logits).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_decoding_from_rope_tables_matches_transformers(kind):
+    """Engines gather rope rows from tables (Rotary.tabulate) instead of computing them per step: the
+    rows equal the computed ones and decoding through them still matches transformers."""
+    hf, ours = hf_pair(kind)
+    positions = torch.tensor([0, 1, 77, 255])
+    computed = ours.rotary(positions, torch.float32)
+    ours.rotary.tabulate(256, torch.float32)
+    for got, want in zip(ours.rotary(positions, torch.float32), computed):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    ours.rotary.tabulate(256, torch.float32)  # again: kept
+    with pytest.raises(ValueError, match="rope tables exist"):
+        ours.rotary.tabulate(512, torch.float32)  # replacing them would pull them from under captured graphs
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        cache = ours.new_cache(1, 64)
+        logits = [ours(ids[:, :8], torch.arange(8), cache)[0]]
+        logits += [ours(ids[:, p : p + 1], torch.tensor([p]), cache)[0] for p in range(8, 20)]
+    assert (torch.cat(logits, dim=1) - ref).abs().max() <= TOL
+
+
+def test_steps_on_the_triton_kernels_build_no_mask_tensor():
+    """The decode-attention kernel masks by position: decode and verify steps get the DECODE marker, not
+    a mask tensor (6 kernels a step); prefill chunks, key-masked batches and torch's kernels get masks."""
+    from deepflash.models.layers import CAUSAL, DECODE
+
+    _, ours = hf_pair("llama")
+    step = torch.arange(40, 56)
+    assert isinstance(ours.attention_mask(step, 64, None, torch.float32), torch.Tensor)  # torch's kernels
+    ours.kernels = "triton"  # as use_kernels("triton") sets it (Triton itself is not needed to choose)
+    assert ours.attention_mask(step, 64, None, torch.float32) is DECODE
+    assert ours.attention_mask(torch.tensor([40]), 256, None, torch.float32) is DECODE
+    assert ours.attention_mask(torch.arange(16), 16, None, torch.float32) == CAUSAL  # a first prefill chunk
+    assert isinstance(ours.attention_mask(torch.arange(100, 200), 256, None, torch.float32), torch.Tensor)
+    key_mask = torch.ones(2, 64, dtype=torch.bool)
+    assert ours.attention_mask(step, 64, key_mask, torch.float32).dim() == 4
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_truncate_and_continue(kind):
     """Rollback: write 8 speculative rows, continue from an earlier length with other tokens."""

@@ -123,6 +123,8 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope, self.head_dim = rope, head_dim
         self.reset_buffers()
+        self.register_buffer("cos_table", None, persistent=False)
+        self.register_buffer("sin_table", None, persistent=False)
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the float32 table; called again after a model is materialised from the meta device."""
@@ -131,10 +133,30 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) for apply_rotary: the sin's first half is negated once here, so that each
-        rotation is a roll and a multiply-add (3 kernels per tensor instead of 5)."""
+        rotation is a roll and a multiply-add (3 kernels per tensor instead of 5). From the tables where
+        `tabulate` made them (positions must lie below their length), else computed."""
+        if self.cos_table is not None and self.cos_table.dtype == dtype:
+            return self.cos_table[positions], self.sin_table[positions]
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def tabulate(self, count: int, dtype: torch.dtype) -> None:
+        """Compute the tables of positions [0, count) once, in `dtype`: each forward then gathers its rows
+        (2 kernels where computing them took 11, per decode step). Made once for the module's life and
+        never replaced, since captured CUDA graphs read them: every engine asks for the model's whole
+        position range."""
+        if self.cos_table is None:
+            self.cos_table, self.sin_table = self._compute(torch.arange(count, device=self.inv_freq.device), dtype)
+        elif self.cos_table.shape[0] != count or self.cos_table.dtype != dtype:
+            raise ValueError(f"rope tables exist for {self.cos_table.shape[0]} positions in {self.cos_table.dtype}, "
+                             f"not {count} in {dtype}")
+
+    def table_bytes(self, count: int, dtype: torch.dtype) -> int:
+        return 2 * count * 2 * self.inv_freq.numel() * dtype.itemsize
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -278,6 +300,7 @@ def fold_mask(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> tor
 
 
 CAUSAL = "causal"  # the mask of a forward over the whole key range: SDPA's own causal flag (forward_mask)
+DECODE = "decode"  # the mask of a step on the Triton decode-attention kernel, which masks by position itself
 
 
 def forward_mask(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | None, groups: int,

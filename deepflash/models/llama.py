@@ -12,7 +12,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv import KVCache
 from .base import TargetModel
-from .layers import (MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
+from .layers import (DECODE, MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
                      fused_norm)
 
 
@@ -45,11 +45,11 @@ class Attention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
             q = rope_and_write(F.linear(x, *self.qkv), cos, sin, positions, cache.k[layer], cache.v[layer],
                                heads, kv_heads, *norms)
-            from .decode_kernel import MAX_QUERIES, decode_attention
+            from .decode_kernel import decode_attention
 
-            # decode and verify steps without a key mask (key masks make 4-D masks: kv.causal_mask); one
-            # kernel for both, so that a verified token is computed exactly as a decoded one
-            if t <= MAX_QUERIES and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            # decode and verify steps (LlamaModel.attention_mask): one kernel for both, so that a verified
+            # token is computed exactly as a decoded one
+            if mask is DECODE:
                 out = decode_attention(q, cache.k[layer], cache.v[layer], positions, kv_len)
             else:
                 keys, values = cache.read(layer, kv_len)
@@ -114,6 +114,7 @@ class LlamaModel(TargetModel):
     # on an H200, decode 1.2x (Qwen3-8B shape) to 2.0x (SmolLM2, end to end) faster than on torch's
     # kernels, and the same greedy output from plain and speculative decoding (BENCHMARKS.md, seventh session)
     auto_kernels = "triton"
+    kernels = "torch"  # or "triton": TargetModel.use_kernels sets it with its layers'
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -121,6 +122,17 @@ class LlamaModel(TargetModel):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def attention_mask(self, positions, kv_len: int, key_mask, dtype: torch.dtype) -> torch.Tensor | str:
+        """DECODE for decode and verify steps on the Triton kernels (a few queries, no key mask, not the
+        whole key range): the decode-attention kernel masks by position, and building the mask tensor
+        anyway cost 6 kernels per step. Else forward_mask's."""
+        from .decode_kernel import MAX_QUERIES
+
+        t = positions.shape[-1]
+        if self.kernels == "triton" and key_mask is None and t <= MAX_QUERIES and t != kv_len:
+            return DECODE
+        return forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, dtype)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg
@@ -132,6 +144,6 @@ class LlamaModel(TargetModel):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
-        mask = forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
+        mask = self.attention_mask(positions, kv_len, key_mask, x.dtype)
         return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, positions, cache, i, kv_len, mask),
                                capture, logits)
