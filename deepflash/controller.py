@@ -39,7 +39,6 @@ class SpecController:
     spec_seen: int = 0
     failed_probes: int = 0
     spec_in_flight: int = 0  # spec steps decided and not yet recorded
-    plain_in_flight: int = 0
     spec_since_plain: int = 0  # spec steps decided since the last plain one
     stale_spec: int = 0  # spec steps queued before the last failed verdict: no evidence for the next probe
 
@@ -53,17 +52,12 @@ class SpecController:
         last requests gets a long burst as soon as its opening probe fails again (a success resets it)."""
         self.al = self.t_spec = self.t_plain = None
         # the last request's queued steps were dropped
-        self.plain_left = self.spec_seen = self.spec_in_flight = self.plain_in_flight = 0
-        self.spec_since_plain = self.stale_spec = 0
+        self.plain_left = self.spec_seen = self.spec_in_flight = self.spec_since_plain = self.stale_spec = 0
 
     def use_spec(self) -> bool:
         spec = self._decide()
-        if spec:
-            self.spec_in_flight += 1
-            self.spec_since_plain += 1
-        else:
-            self.plain_in_flight += 1
-            self.spec_since_plain = 0
+        self.spec_in_flight += spec
+        self.spec_since_plain = self.spec_since_plain + 1 if spec else 0
         return spec
 
     def _decide(self) -> bool:
@@ -97,7 +91,6 @@ class SpecController:
         self._judge()
 
     def record_plain(self, seconds: float | None) -> None:
-        self.plain_in_flight -= 1
         self.t_plain = self._ema(self.t_plain, seconds)
         self._judge()
 

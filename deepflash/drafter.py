@@ -192,8 +192,8 @@ class DrafterContext:
         cfg = self.drafter.cfg
         start = q_pos[:1]
         out = []
-        for i, tags in enumerate(self.tags):
-            tags = tags[: self._slots(i, span)]
+        for i, (tags, slots) in enumerate(zip(self.tags, self._slots(span))):
+            tags = tags[:slots]
             window = cfg.layer_window(i)
             ctx = ((tags < start) & (tags >= start - self.window) & (tags >= 0))[None, :].expand(q_pos.shape[0], -1)
             if window is not None:
@@ -207,11 +207,11 @@ class DrafterContext:
         wrapped, so position p sits in slot p and the slots from span on hold nothing: a short context
         attends over its few slots, not the whole ring (the draft's attention and K/V copies scale with
         it). None: every slot."""
-        return [(k[:, :, :n], v[:, :, :n]) for i, (k, v) in enumerate(zip(self.k, self.v))
-                for n in [self._slots(i, span)]]
+        return [(k[:, :, :n], v[:, :, :n]) for k, v, n in zip(self.k, self.v, self._slots(span))]
 
-    def _slots(self, layer: int, span: int | None) -> int:
-        return self.caps[layer] if span is None else min(span, self.caps[layer])
+    def _slots(self, span: int | None) -> list[int]:
+        """Slots each layer attends over: min(span, cap)."""
+        return [cap if span is None else min(span, cap) for cap in self.caps]
 
 
 def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch.Tensor,
