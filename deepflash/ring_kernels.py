@@ -8,11 +8,14 @@ stores them at slot = position % capacity, plus the slot's position tag. Decodin
 contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
 nibbles), so it needs no register shuffle.
 
-A block format's write stores the codes with one-byte stores (the block stride, 34 or 18 bytes, leaves
-them 2-byte aligned at best) and the fp16 scale as one 16-bit store: 0.62 (q8_0) and 0.61 (q4_0) of
-the copy bandwidth. Two other forms measured slower (BENCHMARKS.md, seventh session): each block as one
-run of byte lanes, the codes loaded again at their lanes (0.40 / 0.43), and the codes as 16-bit pairs
-from strided loads (0.49 / 0.39).
+A block format's write was bound by instructions, not memory (a q8_0 block took ~37 warp instructions
+where an f32 one takes ~10; 0.57 / 0.60 of the copy bandwidth, BENCHMARKS.md, ninth session). So it
+stores the codes as 16-bit pairs (the block stride, 34 or 18 bytes, leaves them 2-byte aligned), the
+fp16 scale as one 16-bit store, rounds by a truncating conversion, and finds q4_0's peak from the
+block's largest and smallest values, searching positions only in a tile with a +m / -m tie: ~25 (q8_0)
+and ~18 (q4_0) warp instructions per block in the sm_90 PTX. Two other forms measured slower (seventh
+session): each block as one run of byte lanes, the codes loaded again at their lanes, and the codes as
+16-bit pairs from strided loads.
 
 How the work is cut comes from SHAPES (the best measured on the H200, BENCHMARKS.md): GROUPS blocks per
 work item, warps per program, and ITEMS consecutive work items per program whose loads, with STAGES > 1,
@@ -106,7 +109,20 @@ if triton is not None:
 
     @triton.jit
     def _peak(low, high):
-        """Per block, the signed value of largest magnitude (the first one on a tie), from its halves."""
+        """Per block, the signed value of largest magnitude (the first one on a tie), from its halves. The
+        largest and smallest values decide it unless they are opposite (+m and -m, or zeros of both signs):
+        only a tile holding such a block pays for the positional search."""
+        top = tl.maximum(tl.max(low, axis=1), tl.max(high, axis=1))
+        bottom = tl.minimum(tl.min(low, axis=1), tl.min(high, axis=1))
+        peak = tl.where(top > -bottom, top, bottom)
+        tie = top == -bottom
+        if tl.max(tie.to(tl.int32), axis=0) > 0:
+            peak = tl.where(tie, _first_largest(low, high), peak)
+        return peak
+
+    @triton.jit
+    def _first_largest(low, high):
+        """Per block, the first value of largest magnitude (low half before high half)."""
         at_low = tl.argmax(tl.abs(low), axis=1, tie_break_left=True)
         at_high = tl.argmax(tl.abs(high), axis=1, tie_break_left=True)
         lanes = tl.arange(0, 16)[None, :]
@@ -153,21 +169,31 @@ if triton is not None:
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 v = x * inv[:, None]
-                q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
-                tl.store(out + block[:, None] + 2 + tl.arange(0, 32)[None, :], q.to(tl.int8).to(tl.uint8, bitcast=True),
-                         mask=live[:, None])
+                # round half away from zero as a truncating conversion of v +- 0.5 (the same integer as
+                # sign(v) * floor(|v| + 0.5): rounding to nearest is symmetric), 4 instructions where 8 were
+                q = (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)
+                _store_pairs(out + block + 2, q & 0xFF, GROUPS, 32, live)
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
                 half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
                 low = tl.load(rows + r * width + half, mask=live[:, None], other=0.0).to(tl.float32)
                 high = tl.load(rows + r * width + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
                 d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-                q_low = tl.minimum(tl.floor(low * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                q_high = tl.minimum(tl.floor(high * inv[:, None] + 8.5), 15.0).to(tl.uint8)
-                tl.store(out + block[:, None] + 2 + tl.arange(0, 16)[None, :], q_low | (q_high << 4),
-                         mask=live[:, None])
+                # x / d lies in [-8, 8] (to a rounding), so x / d + 8.5 > 0: truncation is the floor
+                q_low = tl.minimum((low * inv[:, None] + 8.5).to(tl.int32), 15)
+                q_high = tl.minimum((high * inv[:, None] + 8.5).to(tl.int32), 15)
+                _store_pairs(out + block + 2, q_low | (q_high << 4), GROUPS, 16, live)
             # the scale as one 16-bit store, where two one-byte stores were
             tl.store((out + block).to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=live)
+
+    @triton.jit
+    def _store_pairs(at, codes, GROUPS: tl.constexpr, BYTES: tl.constexpr, live):
+        """Store each group's BYTES code bytes (int32 values 0..255, [GROUPS, BYTES]) from `at` [GROUPS]
+        (2-byte aligned) as 16-bit pairs: half the stores and their addresses of one-byte stores."""
+        low, high = tl.split(tl.reshape(codes, [GROUPS, BYTES // 2, 2]))
+        pairs = (low | (high << 8)).to(tl.uint16)
+        words = at.to(tl.pointer_type(tl.uint16))
+        tl.store(words[:, None] + tl.arange(0, BYTES // 2)[None, :], pairs, mask=live[:, None])
 
     @triton.jit
     def _decode(data, out, row_elems, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr,

@@ -13,13 +13,18 @@ CUDA = DEVICE == "cuda"
 
 
 def awkward_rows(n: int, width: int) -> torch.Tensor:
-    """Random rows with an all-zero block, a negative peak, a positive peak tie and large values."""
+    """Random rows with an all-zero block, one of zeros of both signs, a negative peak, a positive peak tie
+    with its opposite after it, opposite peaks with -m first and large values."""
     rows = torch.randn(n, width, generator=torch.Generator().manual_seed(width)) * 7
     rows[0, :32] = 0
+    rows[0, 32:64] = 0
+    rows[0, 40] = -0.0  # after a +0.0: q4_0's peak is +0.0, so its scale is -0.0
     if n > 2:
         rows[1, 5] = -rows[1, :32].abs().max() - 1
         rows[2, 3] = rows[2, 9] = rows[2, :32].abs().max() + 2
+        rows[2, 20] = -rows[2, 3]  # +m first
         rows[2, 40 % width] = 3e4
+        rows[1, 35], rows[1, 50] = -60.0, 60.0  # -m first
     return rows.to(DEVICE)
 
 
