@@ -38,11 +38,13 @@ CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over
 # few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
 # prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session).
 MERGE_TILE = 256
-# Query tokens per _chunk program, one after another over the same keys (the later ones read them from
-# the SM's cache): a verify block's 16 tokens each had programs of their own, and at a 7.5K-token context
-# its attention made the verify step 4.4x a short context's (6.5 against 1.47 ms, BENCHMARKS.md, ninth
-# session) where a plain step's grew 1.25x. A decode step's one token runs alone, as before.
-TOKENS = 4
+# Query tokens per _chunk program, one after another over the same keys (the later ones could read them
+# from the SM's cache). 4 was meant to cut the verify step's attention at long contexts (6.5 ms at 7.5K
+# against 1.47 short); measured with the shipped drafter at a 5.8K-token prompt it made the verify step
+# slower, 6.5 ms against 5.0 with 1 (each program's tokens run in series), and plain decode 890 against
+# 935 tok/s (scripts/gpu/profile_step.py --attention-sweep, BENCHMARKS.md, tenth session). So 1: a
+# program per query token.
+TOKENS = 1
 MERGE_DIMS = 16
 TILE = 8192  # score x value elements a program holds per loop iteration (query rows x keys x head dim)
 

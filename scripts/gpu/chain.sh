@@ -19,6 +19,7 @@ ACCEPT_ARGS=${ACCEPT_ARGS:---per-depth 2 --max-new-tokens 128}
 SPEED_ARGS=${SPEED_ARGS:---prompts 5 --max-new-tokens 128}
 MBU=${MBU:-0}  # 1 adds the Qwen3-8B-shaped run
 SMOKE_ARGS=${SMOKE_ARGS:---prompts 3 --max-new-tokens 64}
+PROFILE_ARGS=${PROFILE_ARGS:-}  # e.g. --attention-sweep 32x4,32x1
 R=$ROOT/results
 DATA=$ROOT/data
 RUN=$ROOT/run
@@ -51,7 +52,7 @@ fi
 
 # measurements that need a quiet GPU first; each is switched on by its variable (1 = run)
 if [ "$DEVICE" = cuda ]; then
-  [ "${PROFILE:-0}" = 1 ] && stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json
+  [ "${PROFILE:-0}" = 1 ] && stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json $PROFILE_ARGS
   [ "${FLA:-0}" = 1 ] && stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
   [ "${PROFILE_TRAIN:-1}" = 1 ] && stage profile_train python3 scripts/gpu/profile_train.py --out $R/profile-train.json
   [ "${MEM_PEAK:-1}" = 1 ] && stage mem_peak python3 scripts/gpu/mem_peak.py --out $R/mem-peak.json

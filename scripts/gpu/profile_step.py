@@ -12,7 +12,7 @@ import torch
 from deepflash.bench.speed import QWEN3_8B, random_engine, run_engine
 from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
-from deepflash.models import rope_kernel
+from deepflash.models import decode_kernel, rope_kernel
 from deepflash.runtime import DEFAULT_DRAFTER
 from deepflash.sampling import SamplingParams
 
@@ -45,7 +45,7 @@ def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
 
 def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
     """Another engine on base's random target, also without stop tokens (every request runs its length)."""
-    made = Engine(base.target, base.tokenizer, drafter, max_ctx=base.max_ctx, **engine_args)
+    made = Engine(base.target, base.tokenizer, drafter, **{"max_ctx": base.max_ctx, **engine_args})
     made.stop_ids = base.stop_ids
     return made
 
@@ -76,6 +76,31 @@ def spec_profile(plain: Engine, prompt: list[int]) -> dict:
     return prof
 
 
+def attention_sweep(plain: Engine, settings: str) -> dict:
+    """Decode attention's CHUNK (keys per program) and TOKENS (query tokens per program) against speed
+    (SmolLM2 shape, Triton kernels, CUDA graphs, which each new engine captures with the setting it
+    sees): plain decode after a 256-token and a 5.8K-token prompt, and at the long one a spec-on step
+    (the shipped drafter; on the random target every step commits one token) with its verify phase."""
+    drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
+    short, long = list(range(100, 356)), [100 + i % 40000 for i in range(5800)]
+    kept = decode_kernel.CHUNK, decode_kernel.TOKENS
+    results = {}
+    for setting in settings.split(","):
+        decode_kernel.CHUNK, decode_kernel.TOKENS = map(int, setting.split("x"))
+        fused = sibling(plain, target_kernels="triton", max_ctx=8192)
+        spec = sibling(plain, drafter, spec="on", target_kernels="triton", max_ctx=8192)
+        results[setting] = {"plain_tok_per_s_short": decode_rate(fused, short, 256),
+                            "plain_tok_per_s_long": decode_rate(fused, long, 128),
+                            "spec_on_steps_per_s_long": decode_rate(spec, long, 128)}
+        stats = spec.complete(long, SamplingParams(max_new_tokens=128)).spec  # its graphs are captured by now
+        results[setting]["verify_us_per_step_long"] = 1e6 * stats.verify_s / stats.steps
+        figures = ", ".join(f"{k} {v:.0f}" for k, v in results[setting].items())
+        print(f"  attention CHUNK x TOKENS {setting}: {figures}")
+        del fused, spec
+    decode_kernel.CHUNK, decode_kernel.TOKENS = kept
+    return results
+
+
 def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> float:
     """tok/s of one request, prefill included, after an untimed identical one."""
     return run_engine(engine, [prompt], tokens, SamplingParams(max_new_tokens=tokens))["tok_per_s"]
@@ -94,6 +119,9 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd steps (SmolLM2 shape)")
     ap.add_argument("--spec-only", action="store_true",
                     help="only the speculative step with the shipped drafter (SmolLM2 shape, Triton kernels)")
+    ap.add_argument("--attention-sweep", metavar="CHUNKxTOKENS,...",
+                    help="also time decode attention with these CHUNK x TOKENS settings (SmolLM2 shape), "
+                         "e.g. 32x4,32x1")
     args = ap.parse_args()
     prompt = list(range(100, 356))
     record = {}
@@ -124,6 +152,8 @@ def main():
             if name == "smollm2-shaped":  # the shipped drafter's taps fit this shape
                 prof["triton_kernels_capturing"] = capture_profile(eager, prompt)
                 prof["spec_on"] = spec_profile(eager, prompt)
+                if args.attention_sweep:
+                    prof["attention_sweep"] = attention_sweep(eager, args.attention_sweep)
         prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
         record[name] = prof
         print(f"== {name}: {prof['kernels_per_step']:.0f} kernels/step, {prof['device_us_per_step']:.0f} us busy/step, "
