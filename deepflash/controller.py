@@ -1,14 +1,25 @@
 """Adaptive speculation: speculate while it pays, fall back to plain bursts when it does not.
 
-Speculation pays when (tokens committed per spec step) x t_plain / t_spec > 1. The controller keeps
-exponential averages of those three from measured steps; below break-even minus a margin it runs a
-plain burst, then probes speculation again. Features are captured during plain steps too, so a probe
-drafts with the full context (the drafter's K/V of the burst is computed in one batch when it starts).
-Consecutive failed probes double the burst (up to 8x) so that a drafter that never pays costs almost
-nothing. After a failed probe, the next probe is one spec step, judged alone, and plain steps run while
-its result is on its way: the engine queues steps ahead (engine.PIPELINE_DEPTH), and a second spec step
-queued behind the probe would be spent before the verdict. Spec steps queued before a failed verdict
-are not taken as the next probe.
+Speculation pays when (tokens committed per spec step) x t_plain / t_spec > 1, i.e. when a spec step
+commits more than its break-even, t_spec / t_plain tokens (less a margin). The controller keeps
+exponential averages of the two step costs and sums, over the spec steps, how far each fell short of
+break-even (a run of good steps clears the sum: `_add_to_shortfall`); past a tolerance of 8 tokens it
+runs a plain burst, then probes speculation again. Features are captured during plain steps too, so a
+probe drafts with the full context (the drafter's K/V of the burst is computed in one batch when it
+starts). Consecutive failed probes double the burst (up to 8x) and halve the tolerance, so that a
+drafter that never pays costs almost nothing. A probe after failures measures t_plain first and opens
+with one spec step alone, plain steps running while its result is on its way: the engine queues steps
+ahead (engine.PIPELINE_DEPTH), and a second spec step queued behind it would be spent before the
+verdict. Once that step has not turned it off, spec steps queue as usual: alternating plain and spec
+steps for a whole probe would drain the queue at every switch. Spec steps queued before a failed
+verdict are not taken as the next probe.
+
+The verdict used to be the average of a probe's first two spec steps against break-even:
+with the HumanEval drafter (44% of its steps commit one token) `--spec auto` then ran 308 plain and 101
+spec steps where `--spec on` was 5% faster (BENCHMARKS.md, tenth session). In a simulation of the class
+with HumanEval's tokens-per-step histogram (t_spec = 2 t_plain, 128-token requests) the shortfall rule
+reaches 1.062x where `on` reaches 1.070x and the old rule 1.014x, and a never-matching drafter runs at
+0.992x of plain under both.
 
 Step costs grow with the context, so each request measures its own: its estimates start empty, plain
 steps measure t_plain once a verdict is due, and again every `remeasure` spec steps (replacing it). A
@@ -20,7 +31,7 @@ delay its collect).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,10 +40,13 @@ class SpecController:
     margin: float = 0.05
     burst: int = 40  # plain tokens between probes
     alpha: float = 0.3  # EMA weight of the newest step
-    min_spec_steps: int = 2  # measured spec steps before a verdict (one after a failed probe)
+    min_spec_steps: int = 2  # spec steps a request opens with before a plain step measures t_plain
     max_backoff: int = 8
     remeasure: int = 64  # spec steps between plain steps that re-measure t_plain as the context grows
-    al: float | None = None
+    tolerance: float = 8.0  # tokens short of break-even (the shortfall) that turn speculation off
+    success_steps: int = 4  # steps of a probe after failures that end the backoff if the shortfall is 0
+    shortfall: float = 0.0
+    unjudged: list[int] = field(default_factory=list)  # tokens committed by spec steps not yet in the shortfall
     t_spec: float | None = None
     t_plain: float | None = None
     plain_left: int = 0  # plain steps of the current burst still to launch
@@ -50,7 +64,9 @@ class SpecController:
         """Acceptance is a property of the text and step costs grow with the context: each request starts
         speculating with empty estimates. The probe backoff carries over, so a drafter that failed on the
         last requests gets a long burst as soon as its opening probe fails again (a success resets it)."""
-        self.al = self.t_spec = self.t_plain = None
+        self.t_spec = self.t_plain = None
+        self.shortfall = 0.0
+        self.unjudged.clear()
         # the last request's queued steps were dropped
         self.plain_left = self.spec_seen = self.spec_in_flight = self.spec_since_plain = self.stale_spec = 0
 
@@ -66,9 +82,11 @@ class SpecController:
         if self.plain_left > 0:
             self.plain_left -= 1
             return False
-        if self.failed_probes and (self.spec_in_flight or self.spec_seen):
-            return False  # a probe after failures is one step: plain steps until its verdict
-        if self.spec_seen >= self.min_spec_steps and self._plain_cost_stale():
+        if self.failed_probes and self.spec_in_flight and not self.spec_seen:
+            return False  # a probe after failures opens with one step alone: plain steps until its verdict
+        # a request opens with spec steps, and measures t_plain after min_spec_steps of them; a probe after
+        # failures (also the opening one of a request) measures it first, so that one step can decide
+        if (self.spec_seen >= self.min_spec_steps or self.failed_probes) and self._plain_cost_stale():
             self.t_plain = None  # one plain step measures it afresh: an average would trail the context
             return False
         return True
@@ -85,7 +103,7 @@ class SpecController:
         if self.stale_spec:
             self.stale_spec -= 1
             return
-        self.al = self._ema(self.al, committed)
+        self.unjudged.append(committed)
         self.t_spec = self._ema(self.t_spec, seconds)
         self.spec_seen += 1
         self._judge()
@@ -95,24 +113,34 @@ class SpecController:
         self._judge()
 
     def _judge(self) -> None:
-        """Below break-even minus the margin: a plain burst, doubled per consecutive failed probe."""
-        judged_after = 1 if self.failed_probes else self.min_spec_steps
-        if self.mode != "auto" or self.spec_seen < judged_after or not (self.al and self.t_spec and self.t_plain):
+        """Past the tolerance (halved per consecutive failed probe, so that a drafter that failed the last
+        probes is turned off again within a step or two): a plain burst, doubled per consecutive failed
+        probe. A probe after failures that has run success_steps steps and stands at no shortfall ends
+        the backoff."""
+        if self.mode != "auto" or not (self.t_spec and self.t_plain):
             return
-        if self.speedup() < 1 - self.margin:
+        self._add_to_shortfall()
+        if self.shortfall > self.tolerance / 2**self.failed_probes:
             self.plain_left = self.burst * min(2**self.failed_probes, self.max_backoff)
             self.failed_probes += 1
             self.spec_seen = 0  # the next probe is judged on fresh steps
             self.stale_spec = self.spec_in_flight
-            self.al = self.t_spec = None
-        else:
+            self.t_spec = None
+            self.shortfall = 0.0
+        elif self.spec_seen >= self.success_steps and self.shortfall == 0:
             self.failed_probes = 0
 
-    def speedup(self) -> float:
-        """Estimated tokens/s of speculation over plain decoding."""
-        if not (self.al and self.t_spec and self.t_plain):
-            return 1.0
-        return self.al * self.t_plain / self.t_spec
+    def _add_to_shortfall(self) -> None:
+        """The shortfall is a one-sided CUSUM: per spec step, break-even tokens minus committed tokens,
+        summed and floored at 0. Tokens per step scatter widely (HumanEval: a mean of 2.2, and 44% of
+        steps commit one token), and a verdict on the average of two steps turned a paying drafter off
+        in about half the requests; here a run of good steps clears the sum, and a drafter that never
+        matches adds break-even - 1 every step, so it costs about `tolerance` tokens' time before it is
+        off."""
+        break_even = (1 - self.margin) * self.t_spec / self.t_plain  # tokens per spec step
+        for committed in self.unjudged:
+            self.shortfall = max(0.0, self.shortfall + break_even - committed)
+        self.unjudged.clear()
 
     def _ema(self, old: float | None, new: float | None) -> float | None:
         if new is None:

@@ -1,6 +1,7 @@
 """Adaptive speculation with a fake clock: step costs and acceptance are fed in directly."""
 
 from collections import deque
+from itertools import cycle
 
 import pytest
 
@@ -8,29 +9,41 @@ from deepflash.controller import SpecController
 from deepflash.engine import PIPELINE_DEPTH
 
 
-def drive(controller: SpecController, steps: int, accepted_per_spec: float, t_plain: float, t_spec: float,
+def drive(controller: SpecController, steps: int, accepted_per_spec: float | list[int], t_plain: float, t_spec: float,
           queued: int = 1) -> list[bool]:
-    """Run `steps` decisions; spec steps commit `accepted_per_spec` tokens in t_spec, plain steps take t_plain.
-    queued > 1: that many decisions are made before the oldest one's record, as the engine queues steps."""
+    """Run `steps` decisions; spec steps commit `accepted_per_spec` tokens (a list: its values in turn) in
+    t_spec, plain steps take t_plain. queued > 1: that many decisions are made before the oldest one's
+    record, as the engine queues steps."""
+    committed = cycle(accepted_per_spec if isinstance(accepted_per_spec, list) else [accepted_per_spec])
     trace, pending = [], deque()
     while len(trace) < steps or pending:
         while len(pending) < queued and len(trace) < steps:
             pending.append(controller.use_spec())
             trace.append(pending[-1])
         if pending.popleft():
-            controller.record_spec(accepted_per_spec, t_spec)
+            controller.record_spec(next(committed), t_spec)
         else:
             controller.record_plain(t_plain)
     return trace
 
 
 def test_never_matching_drafter_turns_speculation_off_within_a_few_steps():
+    """A spec step at twice a plain step's cost needs 1.9 tokens; one token falls 0.9 short, so the
+    tolerance of 8 tokens is passed at the ninth spec step (the time of about 9 plain steps lost)."""
     c = SpecController("auto")
-    trace = drive(c, 200, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
-    first_off = trace.index(False)
-    assert first_off <= 4
-    # after the verdict: mostly plain, with short probes that back off
-    assert sum(trace[10:]) / len(trace[10:]) < 0.05
+    trace = drive(c, 200, accepted_per_spec=1, t_plain=1.0, t_spec=2.0)
+    burst_starts = next(i for i in range(len(trace)) if not any(trace[i:i + c.burst]))
+    assert sum(trace[:burst_starts]) == 9
+    # after the verdict: mostly plain, with probes that back off
+    assert sum(trace[burst_starts:]) / len(trace[burst_starts:]) < 0.05
+
+
+def test_a_paying_drafter_whose_steps_scatter_keeps_speculating():
+    """2.1 tokens per spec step on average, but most steps commit one token (as HumanEval's do): a verdict
+    on the first steps' average turned such a drafter off; the shortfall clears on every good step."""
+    c = SpecController("auto")
+    trace = drive(c, 300, accepted_per_spec=[1, 1, 1, 2, 4, 3, 1, 2, 5, 1], t_plain=1.0, t_spec=2.0)
+    assert c.failed_probes == 0 and sum(trace) >= 300 - 1 - 300 // c.remeasure
 
 
 def test_always_matching_drafter_keeps_speculating():
@@ -43,7 +56,7 @@ def test_always_matching_drafter_keeps_speculating():
 def test_probing_turns_speculation_back_on_when_it_pays_again():
     c = SpecController("auto")
     drive(c, 60, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
-    assert not c.use_spec() or c.plain_left == 0
+    assert c.failed_probes >= 1
     trace = drive(c, 400, accepted_per_spec=6, t_plain=1.0, t_spec=1.6)
     assert sum(trace[-100:]) >= 100 - 2  # speculating, but for the plain steps that re-measure t_plain
     assert c.failed_probes == 0
@@ -56,30 +69,33 @@ def test_backoff_carries_over_to_the_next_request():
     assert backoff >= 3
     c.new_request()
     trace = drive(c, 60, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
-    assert trace[0]  # each request opens with a probe
-    assert sum(trace) == 1 and c.plain_left > c.burst  # of one step, whose failure buys a long burst at once
+    # each request opens with a probe: t_plain measured first, then judged step by step with the tolerance
+    # halved per failed probe (8 -> 1 token, 0.52 short per step), and its failure buys a long burst at once
+    assert not trace[0] and trace[1] and sum(trace) == 2 and c.plain_left > c.burst
 
 
-def test_a_probe_after_failures_is_one_spec_step_even_with_steps_queued():
-    """With the engine's queue, a second spec step behind the probe would run before the verdict: after a
-    failure the controller queues plain steps behind a probe instead."""
+def test_a_probe_after_failures_opens_with_one_spec_step_alone_even_with_steps_queued():
+    """With the engine's queue, a second spec step behind a probe's first step would run before its
+    verdict: after a failure the controller queues plain steps behind that step instead."""
     c = SpecController("auto")
     drive(c, 300, accepted_per_spec=1, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
     for _ in range(3):
         c.new_request()
         trace = drive(c, 100, accepted_per_spec=1, t_plain=1.0, t_spec=1.6, queued=PIPELINE_DEPTH)
-        assert trace[0] and sum(trace) == 1
+        spec_at = [i for i, spec in enumerate(trace) if spec]
+        assert len(spec_at) == 1 or spec_at[1] - spec_at[0] >= PIPELINE_DEPTH
+        assert 1 <= len(spec_at) <= 1 + PIPELINE_DEPTH  # then judged (a queued spec step past the verdict)
 
 
 def test_a_spec_step_queued_before_a_failed_verdict_is_not_the_next_probe():
-    c = SpecController("auto", t_plain=1.0)
+    c = SpecController("auto", t_plain=1.0, tolerance=0.9)  # 0.52 tokens short per step: the second fails
     assert c.use_spec() and c.use_spec()  # two queued
     c.record_spec(1, 1.6)
     assert c.use_spec()  # a third queued before the verdict
     c.record_spec(1, 1.6)  # the verdict: 0.63x, a burst
     assert c.failed_probes == 1 and c.plain_left == c.burst
     c.record_spec(8, 1.6)  # the third, lucky: it must not pass as a probe and reset the backoff
-    assert c.failed_probes == 1 and c.al is None and not c.use_spec()
+    assert c.failed_probes == 1 and c.spec_seen == 0 and c.shortfall == 0 and not c.use_spec()
 
 
 def test_queued_steps_keep_a_good_drafter_speculating_and_bring_it_back():
@@ -97,24 +113,24 @@ def test_queued_steps_keep_a_good_drafter_speculating_and_bring_it_back():
 def test_a_step_timed_during_one_off_work_does_not_set_the_costs():
     """The engine records a step whose time includes a CUDA graph capture without a time: a plain cost
     measured during a capture kept a losing drafter speculating for a whole benchmark run."""
-    c = SpecController("auto")
+    c = SpecController("auto", tolerance=1.0)
     c.use_spec(), c.use_spec()
     c.record_spec(1, 1.6), c.record_spec(1, 1.6)
     assert not c.use_spec()  # the plain step that measures t_plain
     c.record_plain(None)  # it captured a graph: no cost learned, and it is measured again
     assert c.t_plain is None and not c.use_spec()
     c.record_plain(1.0)
-    assert c.failed_probes == 1 and c.plain_left == c.burst  # 1 token per 1.6 plain steps' time: off
+    assert c.failed_probes == 1 and c.plain_left == c.burst  # 1 token per 1.6 plain steps' time: 1.04 short
 
 
 def test_each_request_measures_its_own_costs():
     """Costs grow with the context: a plain cost measured on a long prompt must not judge a short one."""
-    c = SpecController("auto")
+    c = SpecController("auto", tolerance=1.0)
     drive(c, 20, accepted_per_spec=2, t_plain=1.5, t_spec=2.0)  # a long prompt: 1.5x, speculating
     assert c.failed_probes == 0
     c.new_request()
     assert c.t_plain is None and c.t_spec is None
-    trace = drive(c, 20, accepted_per_spec=2, t_plain=1.0, t_spec=2.4)  # a short one: 0.83x
+    trace = drive(c, 20, accepted_per_spec=2, t_plain=1.0, t_spec=2.4)  # a short one: 0.83x, 0.28 short a step
     assert c.failed_probes == 1 and sum(trace[5:]) == 0
 
 
@@ -136,7 +152,7 @@ def test_plain_steps_run_until_one_comes_back_timed():
 def test_plain_cost_is_remeasured_within_a_request(remeasure, turns_off):
     """A plain cost measured once goes stale (the context grows; the first one may have been slow):
     re-measuring it catches a drafter that stopped paying; without re-measuring it is missed."""
-    c = SpecController("auto", remeasure=remeasure)
+    c = SpecController("auto", remeasure=remeasure, tolerance=2.0)
     drive(c, 10, accepted_per_spec=3, t_plain=1.0, t_spec=2.0)  # 1.5x
     trace = drive(c, 300, accepted_per_spec=3, t_plain=0.6, t_spec=2.0)  # in truth 0.9x from here
     assert (c.failed_probes >= 1 and sum(trace[-100:]) <= 10) == turns_off
@@ -146,8 +162,8 @@ def test_break_even_margin():
     c = SpecController("auto", margin=0.05)
     drive(c, 50, accepted_per_spec=1.0, t_plain=1.0, t_spec=0.97)  # 1.03x: pays, keeps speculating
     assert c.use_spec()
-    c = SpecController("auto", margin=0.05)
-    drive(c, 50, accepted_per_spec=1.0, t_plain=1.0, t_spec=1.1)  # 0.91x: below break-even minus margin
+    c = SpecController("auto", margin=0.05, tolerance=0.2)
+    drive(c, 50, accepted_per_spec=1.0, t_plain=1.0, t_spec=1.1)  # 0.91x: 0.045 tokens a step short
     assert c.plain_left > 0 or not c.use_spec()
 
 
