@@ -1,11 +1,16 @@
 """The benchmarks' own bookkeeping (their GPU figures live in BENCHMARKS.md)."""
 
 import pytest
+import torch
 
+from deepflash.bench.accept import measure
 from deepflash.bench.rings import parse_shape
 from deepflash.bench.speed import TORCH_KERNELS, plain_of
 from deepflash.ring_kernels import Shape
+from deepflash.engine import Engine
 from deepflash.errors import UserError
+from deepflash.sampling import SamplingParams
+from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
 
 def test_each_system_is_checked_against_plain_decode_on_its_own_kernels():
@@ -21,3 +26,19 @@ def test_ring_shapes_parse_or_explain():
     for bad in ("32-4", "32x4x2", "16x0"):
         with pytest.raises(UserError, match="GROUPSxWARPS"):
             parse_shape(bad)
+
+
+def test_accept_counts_only_its_timed_pass():
+    """bench accept runs every prompt untimed first (graph captures and first kernel uses), then counts
+    the second pass alone: its statistics are those of one pass."""
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    engine = Engine(target, tokenizer, tiny_drafter(drafter_config(target.cfg)), spec="on", block_size=4)
+    prompts = [torch.randint(3, 60, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    params = SamplingParams(max_new_tokens=12)
+    once = [engine.complete(ids, SamplingParams(max_new_tokens=12, seed=i)) for i, ids in enumerate(prompts)]
+    calls, complete = [], engine.complete
+    engine.complete = lambda ids, p: calls.append(ids) or complete(ids, p)
+    out = measure(engine, prompts, params, seeded=True)
+    assert calls == prompts + prompts  # every prompt warmed up, then timed
+    assert out["tokens"] == sum(r.generated_tokens for r in once)
+    assert out["spec_steps"] == sum(r.spec.steps for r in once)
