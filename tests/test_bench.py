@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepflash.bench.accept import measure
+from deepflash.bench.accept import copied_from_beyond, measure
 from deepflash.bench.rings import parse_shape
 from deepflash.bench.speed import TORCH_KERNELS, plain_of
 from deepflash.ring_kernels import Shape
@@ -38,7 +38,20 @@ def test_accept_counts_only_its_timed_pass():
     once = [engine.complete(ids, SamplingParams(max_new_tokens=12, seed=i)) for i, ids in enumerate(prompts)]
     calls, complete = [], engine.complete
     engine.complete = lambda ids, p: calls.append(ids) or complete(ids, p)
-    out = measure(engine, prompts, params, seeded=True)
+    out, outputs = measure(engine, prompts, params, seeded=True)
     assert calls == prompts + prompts  # every prompt warmed up, then timed
     assert out["tokens"] == sum(r.generated_tokens for r in once)
     assert out["spec_steps"] == sum(r.spec.steps for r in once)
+    assert outputs == [r.token_ids for r in once]
+
+
+def test_copied_from_beyond_counts_only_text_a_capped_window_cannot_see():
+    far, near = list(range(100, 110)), list(range(200, 210))
+    prompt = far + list(range(300, 340)) + near  # 60 tokens: `far` ends 50 before the end, `near` at it
+    assert copied_from_beyond([prompt], [far], window=20) == 1.0
+    assert copied_from_beyond([prompt], [far], window=50) == 1.0
+    assert copied_from_beyond([prompt], [far], window=51) == 4 / 5  # the last 6-gram ends inside the window
+    assert copied_from_beyond([prompt], [far], window=55) == 0
+    assert copied_from_beyond([prompt], [near + far], window=20) == 5 / 15  # far's 5 of 15 (near's, across: not)
+    assert copied_from_beyond([prompt + far], [far], window=20) == 0  # also near the end: visible
+    assert copied_from_beyond([prompt], [list(range(500, 520))], window=20) == 0

@@ -20,13 +20,15 @@ from .common import environment, finish, table
 from .prompts import depth_prompts, humaneval_messages
 
 
-def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeded: bool = False) -> dict:
-    """Run every prompt twice, untimed then timed, as bench speed does (with a one-request warm-up,
-    spec on measured 0.79x plain on HumanEval here where bench speed measured 1.1x on five of its
-    prompts: BENCHMARKS.md, tenth session); sum the speculative statistics over the timed pass."""
+def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeded: bool = False,
+            warm_up: bool = True) -> tuple[dict, list[list[int]]]:
+    """Run every prompt, after an untimed pass over them all when warm_up (as bench speed does: with a
+    one-request warm-up, spec on measured 0.79x plain on HumanEval here where bench speed measured 1.1x
+    on five of its prompts, BENCHMARKS.md, tenth session; without it tok/s includes the first uses of
+    graphs and kernels). Returns the speculative statistics summed over the timed pass, and its outputs."""
     total = SpecStats(engine.block_size) if engine.drafter is not None else None
-    tokens, wall = 0, 0.0
-    for timed in (False, True):
+    tokens, wall, outputs = 0, 0.0, []
+    for timed in (False, True) if warm_up else (True,):
         for i, ids in enumerate(prompts):
             p = SamplingParams(temperature=params.temperature, max_new_tokens=params.max_new_tokens,
                                seed=i if seeded else params.seed)
@@ -35,12 +37,33 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
             if timed:
                 wall += time.perf_counter() - began
                 tokens += r.generated_tokens
+                outputs.append(r.token_ids)
                 if total is not None:
                     _add(total, r.spec)
     out = {"prompts": len(prompts), "tokens": tokens, "tok_per_s": tokens / wall}
     if total is not None:
         out.update(total.to_json())
-    return out
+    return out, outputs
+
+
+def copied_from_beyond(prompts: list[list[int]], outputs: list[list[int]], window: int, n: int = 6) -> float:
+    """Share of the outputs' n-grams that occur in their prompt only more than `window` tokens before its
+    end: text a drafter capped at `window` cannot see. If the target copies nothing from there, a cap
+    cannot cost acceptance on these prompts."""
+    far = total = 0
+    for ids, out in zip(prompts, outputs):
+        last_seen: dict[tuple, int] = {}
+        for p in range(len(ids) - n + 1):
+            last_seen[tuple(ids[p : p + n])] = p
+        grams = [tuple(out[p : p + n]) for p in range(len(out) - n + 1)]
+        total += len(grams)
+        far += sum(1 for g in grams if last_seen.get(g, len(ids)) + n <= len(ids) - window)
+    return far / total if total else 0.0
+
+
+def _with_reach(row: dict) -> str:
+    reach = row.get("copied_from_beyond_window")
+    return f"{row['acceptance_length']:.2f}" + ("" if reach is None else f" ({reach:.1%})")
 
 
 def _add(total: SpecStats, s: SpecStats) -> None:
@@ -71,8 +94,8 @@ def run(args) -> dict:
     record["humaneval"] = {}
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens)
-        spec = measure(Engine(target, tok, drafter, spec="on"), humaneval, params, seeded=True)
-        plain = measure(Engine(target, tok), humaneval, params, seeded=True)
+        spec, _ = measure(Engine(target, tok, drafter, spec="on"), humaneval, params, seeded=True)
+        plain, _ = measure(Engine(target, tok), humaneval, params, seeded=True)
         spec["speedup_vs_plain"] = spec["tok_per_s"] / plain["tok_per_s"]
         spec["plain_tok_per_s"] = plain["tok_per_s"]
         record["humaneval"][f"T={temperature:g}"] = spec
@@ -85,17 +108,22 @@ def run(args) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     windows = {"full": None, "4096": 4096, "2048": 2048}
     record["depth"] = {name: {} for name in windows}
+    # the sweeps below compare acceptance, not speed: one pass each (their tok/s includes first uses)
     for name, cap in windows.items():
         engine = Engine(target, tok, drafter, spec="on", feat_ring_cap=cap)
         for d in depths:
-            record["depth"][name][d] = measure(engine, prompts[d], params) | {"window": engine.window}
-    table("AL by depth and feature window", ["depth"] + list(windows),
-          [[d] + [record["depth"][w][d]["acceptance_length"] for w in windows] for d in depths])
+            stats, outputs = measure(engine, prompts[d], params, warm_up=False)
+            record["depth"][name][d] = stats | {"window": engine.window}
+            if cap is not None:  # greedy: every window's outputs are the target's own
+                record["depth"][name][d]["copied_from_beyond_window"] = copied_from_beyond(prompts[d], outputs, cap)
+    table("AL by depth and feature window (in brackets: share of the target's 6-grams copied from beyond the "
+          "window)", ["depth"] + list(windows),
+          [[d] + [_with_reach(record["depth"][w][d]) for w in windows] for d in depths])
 
     record["dtype"] = {}
     for fmt in ("f32", "bf16", "q8_0", "q4_0"):
         engine = Engine(target, tok, drafter, spec="on", feature_dtype=fmt)
-        record["dtype"][fmt] = {d: measure(engine, prompts[d], params) for d in depths}
+        record["dtype"][fmt] = {d: measure(engine, prompts[d], params, warm_up=False)[0] for d in depths}
     table("AL by feature dtype", ["depth", "f32", "bf16", "q8_0", "q4_0"],
           [[d] + [record["dtype"][f][d]["acceptance_length"] for f in record["dtype"]] for d in depths])
     if args.plot:
