@@ -52,7 +52,7 @@ TILE = 8192  # score x value elements a program holds per loop iteration (query 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      kv_len: int) -> torch.Tensor:
     """q [B, H, T, D], caches [B, Hkv, S, D], positions [T]: each query's position (keys 0..position
-    are visible), kv_len the cache span to consider. Returns [B, H, T, D]."""
+    are visible), kv_len the cache span to consider. Returns [B, H, T, D] (a view of [B, T, H, D])."""
     b, heads, t, dim = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
@@ -65,14 +65,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _chunk[(token_tiles, splits)](q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len,
                                   k_cache.shape[2], 1.0 / math.sqrt(dim), GROUPS=groups, GROUP_PAD=group_pad,
                                   DIM=dim, CHUNK=CHUNK, BLOCK=block, TOKENS=TOKENS, enable_fp_fusion=False)
-    out = torch.empty_like(q)
+    # written as [B, T, H, D], what the output projection reads: the caller's transpose back is then free,
+    # where from [B, H, T, D] a verify step copied it in every layer (30 copy kernels per SmolLM2 step)
+    out = torch.empty((b, t, heads, dim), dtype=q.dtype, device=q.device)
     # the merge's loop runs to the whole cache's tiles and skips those past `splits`: a constant bound (Triton's
     # interpreter, which the CPU tests use, cannot loop to a runtime bound under numpy 2), one binary per cache
     dims = min(MERGE_DIMS, dim)
-    _merge[(rows * groups, dim // dims)](partial, out, t, splits, GROUPS=groups, GROUP_PAD=group_pad, DIM=dim,
-                                         DIMS=dims, TILE_SPLITS=MERGE_TILE,
+    _merge[(rows * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups, GROUP_PAD=group_pad,
+                                         DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
                                          TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE), enable_fp_fusion=False)
-    return out
+    return out.transpose(1, 2)
 
 
 if triton is not None:
@@ -129,12 +131,14 @@ if triton is not None:
                 tl.store(out + DIM + 1, total)
 
     @triton.jit(do_not_specialize=["T"])
-    def _merge(partial, out, T, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+    def _merge(partial, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr):
         row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
         g = tl.program_id(0) % GROUPS
         bh = row // T
         token = row % T
+        b = bh // kv_heads
+        head = (bh % kv_heads) * GROUPS + g
         d = tl.program_id(1) * DIMS + tl.arange(0, DIMS)
         best = -1e30
         norm = 0.0
@@ -155,4 +159,4 @@ if triton is not None:
                 norm = norm * keep + tl.sum(total * weight, axis=0)
                 acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
                 best = best_new
-        tl.store(out + ((bh * GROUPS + g) * T + token) * DIM + d, (acc / norm).to(out.dtype.element_ty))
+        tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, (acc / norm).to(out.dtype.element_ty))
