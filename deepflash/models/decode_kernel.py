@@ -2,17 +2,17 @@
 
 SDPA serves a decode step with cuDNN's flash kernel at 10-14 us per layer, 22% of the SmolLM2-135M-
 shaped step and 9% of the Qwen3-8B-shaped one (profile_step.py, BENCHMARKS.md). Here each program takes
-up to TOKENS query tokens (one after another) of one key/value head's G query heads and one chunk of
-CHUNK keys, and keeps a running softmax over them in float32; a second kernel merges the chunks, one
-program per query head and slice of the head dims. Keys past the query's position (the rest of the
-CUDA-graph bucket, the block's later tokens) are masked.
+one query token of one key/value head's G query heads and one chunk of CHUNK keys, and keeps a running
+softmax over them in float32; a second kernel merges the chunks, one program per query head and slice
+of the head dims. Keys past the query's position (the rest of the CUDA-graph bucket, the block's later
+tokens) are skipped. Programs taking 4 query tokens one after another over the same keys made the
+verify step slower (6.5 against 5.0 ms at a 5.8K-token prompt, BENCHMARKS.md, tenth session).
 
 A query's result does not depend on the cache span or on the other queries of its step, bit for bit:
-the chunks are fixed, each query runs the same instructions of one binary (the token loop is not
-unrolled, and T is not specialised), and the merge walks the chunks in fixed tiles, where a chunk past
-the query's position contributes exact zeros. So a verify step computes each of its tokens exactly as
-a one-token decode step at that position would, and greedy speculative decoding keeps matching plain
-decoding under bf16 rounding (with SDPA for the verify and this kernel for plain steps it did not: 1
+the chunks are fixed, each query runs the same instructions of one binary (T is not specialised), and
+the merge walks the chunks in fixed tiles, where a chunk past the query's position contributes exact
+zeros. So a verify step computes each of its tokens exactly as a one-token decode step at that
+position would, and greedy speculative decoding keeps matching plain decoding under bf16 rounding (with SDPA for the verify and this kernel for plain steps it did not: 1
 of 6 outputs equal, BENCHMARKS.md, sixth session).
 
 Chosen with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it on the CPU for the
@@ -38,13 +38,6 @@ CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over
 # few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
 # prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session).
 MERGE_TILE = 256
-# Query tokens per _chunk program, one after another over the same keys (the later ones could read them
-# from the SM's cache). 4 was meant to cut the verify step's attention at long contexts (6.5 ms at 7.5K
-# against 1.47 short); measured with the shipped drafter at a 5.8K-token prompt it made the verify step
-# slower, 6.5 ms against 5.0 with 1 (each program's tokens run in series), and plain decode 890 against
-# 935 tok/s (scripts/gpu/profile_step.py --attention-sweep, BENCHMARKS.md, tenth session). So 1: a
-# program per query token.
-TOKENS = 1
 MERGE_DIMS = 16
 TILE = 8192  # score x value elements a program holds per loop iteration (query rows x keys x head dim)
 
@@ -61,10 +54,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows = b * kv_heads * t  # one (query token, kv head) pair each
     partial = torch.empty((rows, splits, group_pad, dim + 2), dtype=torch.float32, device=q.device)
     block = min(CHUNK, max(16, TILE // (group_pad * dim)))  # keys per loop iteration
-    token_tiles = b * kv_heads * triton.cdiv(t, TOKENS)
-    _chunk[(token_tiles, splits)](q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len,
-                                  k_cache.shape[2], 1.0 / math.sqrt(dim), GROUPS=groups, GROUP_PAD=group_pad,
-                                  DIM=dim, CHUNK=CHUNK, BLOCK=block, TOKENS=TOKENS, enable_fp_fusion=False)
+    _chunk[(rows, splits)](q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len, k_cache.shape[2],
+                           1.0 / math.sqrt(dim), GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, CHUNK=CHUNK,
+                           BLOCK=block, enable_fp_fusion=False)
     # written as [B, T, H, D], what the output projection reads: the caller's transpose back is then free,
     # where from [B, H, T, D] a verify step copied it in every layer (30 copy kernels per SmolLM2 step)
     out = torch.empty((b, t, heads, dim), dtype=q.dtype, device=q.device)
@@ -83,52 +75,45 @@ if triton is not None:
     # between binaries): one computation for every step size
     @triton.jit(do_not_specialize=["T"])
     def _chunk(q, k_cache, v_cache, positions, partial, T, kv_len, S, scale, GROUPS: tl.constexpr,
-               GROUP_PAD: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-               TOKENS: tl.constexpr):
-        tiles = tl.cdiv(T, TOKENS)
-        bh = tl.program_id(0) // tiles  # b * KV_HEADS + kv head
+               GROUP_PAD: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # (b * KV_HEADS + kv head) * T + query token
+        bh = row // T
+        token = row % T
         split = tl.program_id(1)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, DIM)
         heads = g < GROUPS
+        # q [B, H, T, D]: the kv head's query heads are consecutive, bh * GROUPS + g
+        qv = tl.load(q + ((bh * GROUPS + g)[:, None] * T + token) * DIM + d[None, :], mask=heads[:, None], other=0.0)
+        qv = qv.to(tl.float32) * scale
+        last = tl.minimum(tl.load(positions + token), kv_len - 1)  # keys 0..last are visible
+        m = tl.full((GROUP_PAD,), -1e30, tl.float32)
+        total = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
         base = bh * S * DIM
-        # a runtime loop, not unrolled: every token runs the same instructions, whichever its place in
-        # the tile, so a verified token is still computed exactly as a decoded one
-        for i in range(TOKENS):
-            token = (tl.program_id(0) % tiles) * TOKENS + i
-            if token < T:
-                # q [B, H, T, D]: the kv head's query heads are consecutive, bh * GROUPS + g
-                q_at = ((bh * GROUPS + g)[:, None] * T + token) * DIM + d[None, :]
-                qv = tl.load(q + q_at, mask=heads[:, None], other=0.0)
-                qv = qv.to(tl.float32) * scale
-                last = tl.minimum(tl.load(positions + token), kv_len - 1)  # keys 0..last are visible
-                m = tl.full((GROUP_PAD,), -1e30, tl.float32)
-                total = tl.zeros((GROUP_PAD,), tl.float32)
-                acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
-                for start in range(0, CHUNK, BLOCK):
-                    # keys past the query's position (the rest of the bucket: on average a quarter of it,
-                    # and the block's later tokens) would leave m, total and acc as they are: skipped
-                    if split * CHUNK + start <= last:
-                        n = split * CHUNK + start + tl.arange(0, BLOCK)
-                        seen = n <= last
-                        kv_offsets = base + n[:, None] * DIM + d[None, :]
-                        k = tl.load(k_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
-                        # V's load issued with K's, before the softmax that needs only K, so that the two
-                        # memory round trips can overlap (after the softmax, V's loads came after it in the PTX)
-                        v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
-                        s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK]
-                        s = tl.where(seen[None, :], s, -1e30)
-                        m_new = tl.maximum(m, tl.max(s, axis=1))
-                        p = tl.where(seen[None, :], tl.exp(s - m_new[:, None]), 0.0)
-                        keep = tl.exp(m - m_new)
-                        acc = acc * keep[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-                        total = total * keep + tl.sum(p, axis=1)
-                        m = m_new
-                row = bh * T + token  # (b * KV_HEADS + kv head) * T + query token
-                out = partial + ((row * tl.num_programs(1) + split) * GROUP_PAD + g) * (DIM + 2)
-                tl.store(out[:, None] + d[None, :], acc)
-                tl.store(out + DIM, m)
-                tl.store(out + DIM + 1, total)
+        for start in range(0, CHUNK, BLOCK):
+            # keys past the query's position (the rest of the bucket: on average a quarter of it, and the
+            # block's later tokens) would leave m, total and acc as they are: skip their loads and math
+            if split * CHUNK + start <= last:
+                n = split * CHUNK + start + tl.arange(0, BLOCK)
+                seen = n <= last
+                kv_offsets = base + n[:, None] * DIM + d[None, :]
+                k = tl.load(k_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
+                # V's load issued with K's, before the softmax that needs only K, so that the two memory
+                # round trips can overlap (written after the softmax, V's loads came after it in the PTX)
+                v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
+                s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK]
+                s = tl.where(seen[None, :], s, -1e30)
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                p = tl.where(seen[None, :], tl.exp(s - m_new[:, None]), 0.0)
+                keep = tl.exp(m - m_new)
+                acc = acc * keep[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                total = total * keep + tl.sum(p, axis=1)
+                m = m_new
+        out = partial + ((row * tl.num_programs(1) + split) * GROUP_PAD + g) * (DIM + 2)
+        tl.store(out[:, None] + d[None, :], acc)
+        tl.store(out + DIM, m)
+        tl.store(out + DIM + 1, total)
 
     @triton.jit(do_not_specialize=["T"])
     def _merge(partial, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,

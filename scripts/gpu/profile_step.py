@@ -77,16 +77,15 @@ def spec_profile(plain: Engine, prompt: list[int]) -> dict:
 
 
 def attention_sweep(plain: Engine, settings: str) -> dict:
-    """Decode attention's CHUNK (keys per program) and TOKENS (query tokens per program) against speed
-    (SmolLM2 shape, Triton kernels, CUDA graphs, which each new engine captures with the setting it
-    sees): plain decode after a 256-token and a 5.8K-token prompt, and at the long one a spec-on step
+    """Decode attention's CHUNK (keys per program) against speed (SmolLM2 shape, Triton kernels, CUDA
+    graphs, which each new engine captures with the setting it sees): plain decode after a 256-token and a 5.8K-token prompt, and at the long one a spec-on step
     (the shipped drafter; on the random target every step commits one token) with its verify phase."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     short, long = list(range(100, 356)), [100 + i % 40000 for i in range(5800)]
-    kept = decode_kernel.CHUNK, decode_kernel.TOKENS
+    kept = decode_kernel.CHUNK
     results = {}
     for setting in settings.split(","):
-        decode_kernel.CHUNK, decode_kernel.TOKENS = map(int, setting.split("x"))
+        decode_kernel.CHUNK = int(setting)
         fused = sibling(plain, target_kernels="triton", max_ctx=8192)
         spec = sibling(plain, drafter, spec="on", target_kernels="triton", max_ctx=8192)
         results[setting] = {"plain_tok_per_s_short": decode_rate(fused, short, 256),
@@ -95,9 +94,9 @@ def attention_sweep(plain: Engine, settings: str) -> dict:
         stats = spec.complete(long, SamplingParams(max_new_tokens=128)).spec  # its graphs are captured by now
         results[setting]["verify_us_per_step_long"] = 1e6 * stats.verify_s / stats.steps
         figures = ", ".join(f"{k} {v:.0f}" for k, v in results[setting].items())
-        print(f"  attention CHUNK x TOKENS {setting}: {figures}")
+        print(f"  attention CHUNK {setting}: {figures}")
         del fused, spec
-    decode_kernel.CHUNK, decode_kernel.TOKENS = kept
+    decode_kernel.CHUNK = kept
     return results
 
 
@@ -119,9 +118,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd steps (SmolLM2 shape)")
     ap.add_argument("--spec-only", action="store_true",
                     help="only the speculative step with the shipped drafter (SmolLM2 shape, Triton kernels)")
-    ap.add_argument("--attention-sweep", metavar="CHUNKxTOKENS,...",
-                    help="also time decode attention with these CHUNK x TOKENS settings (SmolLM2 shape), "
-                         "e.g. 32x4,32x1")
+    ap.add_argument("--attention-sweep", metavar="CHUNK,...",
+                    help="also time decode attention with these keys per program (SmolLM2 shape), e.g. 32,16,64")
     args = ap.parse_args()
     prompt = list(range(100, 356))
     record = {}
