@@ -100,6 +100,8 @@ class SpecController:
     def record_spec(self, committed: int, seconds: float | None) -> None:
         """seconds: the step's time, None where it includes one-off work."""
         self.spec_in_flight -= 1
+        if self.mode != "auto":  # nothing to judge: the tokens would pile up in unjudged for the request
+            return
         if self.stale_spec:
             self.stale_spec -= 1
             return
@@ -117,7 +119,7 @@ class SpecController:
         probes is turned off again within a step or two): a plain burst, doubled per consecutive failed
         probe. A probe after failures that has run success_steps steps and stands at no shortfall ends
         the backoff."""
-        if self.mode != "auto" or not (self.t_spec and self.t_plain):
+        if not (self.t_spec and self.t_plain):
             return
         self._add_to_shortfall()
         if self.shortfall > self.tolerance / 2**self.failed_probes:

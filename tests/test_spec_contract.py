@@ -120,6 +120,9 @@ def test_auto_mode_stops_speculating_with_a_useless_drafter():
     ids = prompt(10)
     params = SamplingParams(max_new_tokens=60)
     engine = Engine(TARGET, TOKENIZER, drafter, spec="auto")
+    # the verdict's steps are tolerance / (break-even - 1), and the CPU's cost ratio (hence break-even)
+    # drops when other work loads the machine: 16 spec steps of 60 at the default tolerance of 8
+    engine.controller.tolerance = 1.0
     out = engine.complete(ids, params)
     assert out.token_ids == plain(ids, params).token_ids
     assert out.spec.plain_steps > 3 * out.spec.steps
