@@ -20,13 +20,19 @@ from .errors import NotFound, UserError
 from .models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, fold_mask
 
 
-def attend(q, k, v, mask):
-    """Attention with an explicit boolean mask (SDPA) or a flex_attention BlockMask (training on CUDA)."""
+def attend(q, ctx_k, ctx_v, k, v, mask):
+    """Block queries q [b, H, T, D] over keys [context, block]: with an explicit boolean mask (SDPA), or
+    in training on CUDA a flex_attention BlockMask, or in training's SDPA path query chunks
+    (train/chunks.py), which never score the other blocks' keys."""
     if isinstance(mask, torch.Tensor):
-        return attention(q, k, v, fold_mask(mask, q.shape[1] // k.shape[1], q.dtype))
+        keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        return attention(q, keys, values, fold_mask(mask, q.shape[1] // k.shape[1], q.dtype))
+    from .train.chunks import ChunkedMask, chunked_attend
     from .train.flex import flex_attend
 
-    return flex_attend(q, k, v, mask)
+    if isinstance(mask, ChunkedMask):
+        return chunked_attend(q, ctx_k, ctx_v, k, v, mask)
+    return flex_attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
 
 
 class DrafterAttention(nn.Module):
@@ -53,7 +59,7 @@ class DrafterAttention(nn.Module):
         b, t, _ = x.shape
         q = apply_rotary(self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)), cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        out = attend(q.transpose(1, 2), torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        out = attend(q.transpose(1, 2), ctx_k, ctx_v, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -51,6 +51,32 @@ def test_training_mask_equals_naive_rule(causal, window):
                    for q in range(0, batched.shape[1], 3) for kv in range(batched.shape[2]))
 
 
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 3)])
+def test_chunked_attention_equals_the_dense_masked_one(causal, window):
+    """Query chunks that see [context, own blocks] give the dense training mask's outputs and gradients
+    (other chunks' block keys are masked there anyway); GQA heads, two sequences."""
+    from deepflash.drafter import attend
+    from deepflash.train.chunks import chunked_mask
+
+    gen = torch.Generator().manual_seed(0)
+    anchors = torch.tensor([[0, 3, 4, 9, 10, 11], [1, 2, 6, 7, 8, 11]])
+    b, seq_len, block, heads, kv_heads, dim = 2, 12, 4, 4, 2, 8
+    q_len = anchors.shape[1] * block
+    q = torch.randn(b, heads, q_len, dim, generator=gen, requires_grad=True)
+    ctx_k, ctx_v = (torch.randn(b, kv_heads, seq_len, dim, generator=gen, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, q_len, dim, generator=gen, requires_grad=True) for _ in range(2))
+    dense = training_mask(anchors, seq_len, block, causal, window)[:, None]
+    for blocks in (1, 2, 3):
+        chunked = chunked_mask(anchors, seq_len, block, causal, window, blocks, heads // kv_heads, q.dtype)
+        outs = [attend(q, ctx_k, ctx_v, k, v, mask) for mask in (dense, chunked)]
+        grads = [torch.autograd.grad(out.square().sum(), (q, ctx_k, ctx_v, k, v)) for out in outs]
+        torch.testing.assert_close(outs[1], outs[0])
+        for got, want in zip(*grads[::-1]):
+            torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="do not split"):
+        chunked_mask(anchors, seq_len, block, causal, window, 4, 2, q.dtype)
+
+
 def test_decay_weights_start_at_one():
     w = loss_weights(16, default_gamma(16))
     assert w.shape == (15,) and w[0] == 1.0 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0)))
@@ -236,7 +262,7 @@ def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypat
                       torch.device("cpu"))
     batch = trainer.train_seqs[:5]
     whole = trainer.batch_loss(batch, train=False)
-    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (64 * 4 + max(map(len, batch))) * 2)
+    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (8 * 4 + max(map(len, batch))) * 2)  # 8-block chunks
     assert len(trainer._parts(batch)) >= 3
     split = trainer.batch_loss(batch, train=False)
     torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
@@ -268,7 +294,7 @@ def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_pa
 
     want = grads(mean_loss)
     whole = grads(lambda: trainer.batch_loss(batch))
-    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (64 * 4 + max(map(len, batch))) * 2)
+    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (8 * 4 + max(map(len, batch))) * 2)  # 8-block chunks
     assert len(trainer._parts(batch)) >= 3
     split = grads(lambda: trainer.batch_loss(batch))
     for w, a, b in zip(want, whole, split):

@@ -53,6 +53,9 @@ def register(sub) -> None:
     train.add_argument("--pad-to", type=int, default=256,
                        help="round context lengths up to a multiple of this and pad anchors to --anchors, so that "
                             "the attention kernels see few shapes (0: off)")
+    train.add_argument("--attention-chunk", type=int, default=8,
+                       help="SDPA path: anchor blocks per query chunk; each chunk attends to the context and its own "
+                            "blocks only, never scoring the other blocks' keys (0: all anchors in one chunk)")
     train.add_argument("--cudnn-attention", action="store_true",
                        help="let SDPA use cuDNN attention, which plans anew for every sequence length (9x slower "
                             "training steps on an H200)")
@@ -120,6 +123,7 @@ def cmd_train(args) -> None:
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
+                     attention_chunk=args.attention_chunk,
                      device=args.device)
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

@@ -46,7 +46,8 @@ from ..drafter import DFlashDrafter, load_drafter, save_drafter, validate_pair
 from ..errors import UserError
 from ..models import init_random_
 from ..progress import bar, stderr
-from .masks import default_gamma, loss_weights, query_layout, training_mask, training_mask_mod
+from .chunks import chunked_mask
+from .masks import default_gamma, loss_weights, query_layout, training_mask_mod
 from .parallel import Group
 from .shards import Sequence, iter_batches, read_all
 
@@ -87,6 +88,7 @@ class TrainConfig:
     cudnn_attention: bool = False  # True: SDPA may use cuDNN attention, which plans per shape (9x slower steps)
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
     distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
+    attention_chunk: int = 8  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -103,6 +105,8 @@ class TrainConfig:
             raise UserError("--grow-layers adds layers to the drafter of --init-from; give one")
         if self.grow_layers < 0:
             raise UserError(f"--grow-layers must be >= 0, got {self.grow_layers}")
+        if self.attention_chunk < 0:
+            raise UserError(f"--attention-chunk must be >= 0, got {self.attention_chunk}")
         if self.pad_to < 0:
             raise UserError(f"--pad-to must be >= 0, got {self.pad_to}")
         if self.norm_lr_scale <= 0:
@@ -172,7 +176,7 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
 
 
 def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask, anchors, real, weights,
-               attention: str, final=None, label=None):
+               attention: str, final=None, label=None, chunk: int = 0):
     """Decay-weighted CE of a batch of sequences' packed anchor blocks, in one forward; returns (loss,
     weight sum, per-k hits, per-k counts). tokens / loss_mask [b, L] and feats [b, L, F] are padded
     past each sequence's length (padding is never visible: context is strictly before an anchor);
@@ -180,7 +184,8 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     rows to one length and carry no loss). With the target's final normed states final [b, L, H], the
     loss is instead the KL divergence from the target's next-token distribution at each label, the
     one it computes at the position before (--distill). `label`: labelled()'s result, if the caller
-    has it already."""
+    has it already. `chunk`: anchor blocks per query chunk of the SDPA path (0: all; A must be a
+    multiple)."""
     cfg = drafter.cfg
     size, (b, ctx_len) = cfg.block_size, feats.shape[:2]
     device = tokens.device
@@ -190,7 +195,7 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     q_pos = anchors[:, block_id] + offset  # [b, A*B]
     block = torch.where(offset == 0, tokens.gather(1, anchors)[:, block_id], cfg.mask_token_id)
     x = drafter.block_embeddings(target.model.embed_tokens, block)
-    masks = _layer_masks(cfg, anchors, ctx_len, attention)
+    masks = _layer_masks(cfg, anchors, ctx_len, attention, chunk or anchors.shape[1], _compute_dtype(drafter))
     hidden = drafter(x, q_pos, ctx_kv, masks).view(b, anchors.shape[1], size, -1)[:, :, 1:]
     valid, label_pos = label if label is not None else labelled(anchors, lengths, loss_mask, real, size)
     labels = tokens.gather(1, label_pos).view_as(valid)
@@ -250,7 +255,13 @@ def fold_feature_scale(drafter: DFlashDrafter, scale: torch.Tensor) -> DFlashDra
     return folded
 
 
-def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str) -> list:
+def _compute_dtype(drafter: DFlashDrafter) -> torch.dtype:
+    """The dtype of the drafter's activations: autocast's where it is on."""
+    kind = drafter.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else drafter.dtype
+
+
+def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str, chunk: int, dtype: torch.dtype) -> list:
     made: dict = {}
     out = []
     for i in range(cfg.num_layers):
@@ -263,7 +274,8 @@ def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str) -> l
                 made[key] = block_mask_for(training_mask_mod(anchors, seq_len, cfg.block_size, *key), q, seq_len + q,
                                            anchors.device, batch=anchors.shape[0])
             else:
-                made[key] = training_mask(anchors, seq_len, cfg.block_size, *key)[:, None]  # [b, 1, Q, K]
+                made[key] = chunked_mask(anchors, seq_len, cfg.block_size, *key, chunk,
+                                         cfg.num_heads // cfg.num_kv_heads, dtype)
         out.append(made[key])
     return out
 
@@ -422,20 +434,20 @@ class Trainer:
             with self._autocast(), torch.set_grad_enabled(train):
                 loss, w, h, c = block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale,
                                            loss_mask, anchors, real, self.weights, attention or self.attention, final,
-                                           label)
+                                           label, self.tc.attention_chunk)
             if train:
                 (loss / batch_weight).backward()  # frees this part's graph before the next
             total, weight, hits, counts = total + loss.detach(), weight + w, hits + h, counts + c
         return total / weight.clamp(min=1), hits / counts.clamp(min=1)
 
     def _parts(self, batch: list[Sequence]) -> list[list[Sequence]]:
-        """The batch in parts whose attention masks stay within MASK_ELEMENTS (rows x queries x keys):
-        the mask is the largest tensor of a training forward (the additive copy SDPA reads is 2 bytes
-        per element per query head group, and each layer keeps its own for the backward pass)."""
+        """The batch in parts whose attention masks stay within MASK_ELEMENTS (rows x queries x keys, the
+        keys being the context and one query chunk's blocks): the mask is the largest tensor of a
+        training forward (the additive form SDPA reads is 2 bytes per element per query head group)."""
         queries = self.tc.anchors * self.cfg.block_size
         parts: list[list[Sequence]] = [[]]
         for seq in sorted(batch, key=len):
-            keys = self._padded(len(seq)) + queries
+            keys = self._padded(len(seq)) + (self.tc.attention_chunk * self.cfg.block_size or queries)
             if parts[-1] and (len(parts[-1]) + 1) * queries * keys > MASK_ELEMENTS:
                 parts.append([])
             parts[-1].append(seq)
@@ -444,12 +456,15 @@ class Trainer:
     def _batch_inputs(self, batch: list[Sequence]):
         """The batch on the device, right-padded to one length (--pad-to): tokens, lengths, loss masks,
         anchors [b, A] (None if no sequence has a response token) and each row's real anchor count. A is
-        --anchors with --pad-to, else the most any sequence has; shorter rows repeat their last anchor.
+        --anchors with --pad-to, else the most any sequence has, rounded up to whole query chunks; shorter
+        rows repeat their last anchor.
         All host-to-device copies happen here, before the step's GPU work: a copy from pageable memory
         waits for the GPU's queue, and one per sequence between the GPU work serialised host and GPU."""
         drawn = [sample_anchors(seq, self.tc.anchors, self.generator) for seq in batch]
         most = max(a.numel() for a in drawn)
         count = self.tc.anchors if self.tc.pad_to else most
+        chunk = self.tc.attention_chunk
+        count = -(-count // chunk) * chunk if chunk else count  # whole query chunks
         anchors = torch.zeros(len(batch), count, dtype=torch.long)
         for row, a in zip(anchors, drawn):
             if a.numel():

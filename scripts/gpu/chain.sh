@@ -10,6 +10,7 @@ ROOT=${ROOT:-/root}
 DEVICE=${DEVICE:-cuda}
 COUNT=${COUNT:-2500}
 MAX_NEW=${MAX_NEW:-320}
+GEN_ARGS=${GEN_ARGS:-}  # more generate arguments for the datagen stage, e.g. "--seed 6 --long-fraction 0.3"
 TRAIN_MINUTES=${TRAIN_MINUTES:-11}
 LR=${LR:-2e-3}  # width-576 drafter: SmolLM2-135M itself was pretrained at 3e-3; the recipe's 6e-4 is for 4096-wide ones
 LAYERS=${LAYERS:-2}
@@ -67,7 +68,7 @@ CARRIED_DATA=${CARRIED_DATA-$ROOT/stage/data.tgz}
 if [ -f "$CARRIED_DATA" ]; then  # token shards brought back by an earlier session (collect.sh)
   mkdir -p $DATA && tar xzf "$CARRIED_DATA" -C $DATA && echo "=== $(date +%T) using carried data"
 else
-  stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW
+  stage datagen deepflash train-drafter generate --device $DEVICE --out $DATA --count $COUNT --max-new-tokens $MAX_NEW $GEN_ARGS
   NEW_DATA=1
 fi
 # MORE_DATA (generate arguments, e.g. "--count 6000 --seed 1") adds shards to the carried or new data

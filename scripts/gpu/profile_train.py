@@ -1,9 +1,9 @@
 """Where a drafter training step's time goes (issue 6: training ran at ~10k sequence tokens/s on an
 H200, far below what the FLOPs allow). Trains the embedded target's drafter on synthetic sequences
 shaped like the generated data (half of the prompts 150-700 tokens, half 1500-7500, + 320 response
-tokens): step time and sequence tokens/s with cuDNN attention on or off and with shapes padded or not,
-then, for the last variant, the host-side time by function (cProfile) and the top kernels
-(torch.profiler) of a few steps. Ends with one JSON line.
+tokens): step time and sequence tokens/s of the 3-layer drafter per query-chunk size of the attention
+(train/chunks.py; 0 is the dense layout), then, for the last variant (the default), the host-side time
+by function (cProfile) and the top kernels (torch.profiler) of a few steps. Ends with one JSON line.
 
     python3 scripts/gpu/profile_train.py --out profile_train.json
 """
@@ -118,18 +118,16 @@ def main() -> None:
     tokenizer = load_tokenizer(folder)
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        # The suspects for the idle GPU time are per-shape costs, since every sequence length is a new shape:
-        # cudnn=False (--no-cudnn-attention) keeps SDPA off cuDNN attention, which plans per shape;
-        # pad > 0 (--pad-to) leaves few shapes.
-        variants = (("sdpa", 16384, True, 0), ("sdpa", 16384, False, 0), ("sdpa", 16384, True, 256),
-                    ("sdpa", 16384, False, 256))
-        for index, (attention, batch_tokens, cudnn, pad) in enumerate(variants):
+        # attention_chunk: anchor blocks per query chunk of the SDPA path (0: one dense chunk, the layout
+        # before chunks.py); the last variant is the default, whose time is then broken down
+        variants = (("sdpa", 16384, 0), ("sdpa", 16384, 16), ("sdpa", 16384, 4), ("sdpa", 16384, 8))
+        for index, (attention, batch_tokens, chunk) in enumerate(variants):
             data = Path(tmp) / f"data-{index}"
             synthetic_data(data, target.cfg.vocab_size, 64 if device.type == "cuda" else 3, seed=index)
-            tc = TrainConfig(data=str(data), out=str(Path(tmp) / "run"), layers=2,
+            tc = TrainConfig(data=str(data), out=str(Path(tmp) / "run"), layers=3,
                              batch_tokens=batch_tokens, steps=1000, attention=attention, device=args.device,
-                             eval_every=10**9, ckpt_every=10**9, cudnn_attention=cudnn, pad_to=pad)
-            run = {"attention": attention, "batch_tokens": batch_tokens, "cudnn_sdpa": cudnn, "pad_to": pad}
+                             eval_every=10**9, ckpt_every=10**9, attention_chunk=chunk)
+            run = {"attention": attention, "batch_tokens": batch_tokens, "attention_chunk": chunk}
             try:
                 trainer = Trainer(tc, target, tokenizer, device)
                 run.update(timed_steps(trainer, args.steps))
