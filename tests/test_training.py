@@ -262,7 +262,7 @@ def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypat
                       torch.device("cpu"))
     batch = trainer.train_seqs[:5]
     whole = trainer.batch_loss(batch, train=False)
-    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (8 * 4 + max(map(len, batch))) * 2)  # 8-block chunks
+    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (16 * 4 + max(map(len, batch))) * 2)  # 16-block chunks
     assert len(trainer._parts(batch)) >= 3
     split = trainer.batch_loss(batch, train=False)
     torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
@@ -294,7 +294,7 @@ def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_pa
 
     want = grads(mean_loss)
     whole = grads(lambda: trainer.batch_loss(batch))
-    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (8 * 4 + max(map(len, batch))) * 2)  # 8-block chunks
+    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (16 * 4 + max(map(len, batch))) * 2)  # 16-block chunks
     assert len(trainer._parts(batch)) >= 3
     split = grads(lambda: trainer.batch_loss(batch))
     for w, a, b in zip(want, whole, split):

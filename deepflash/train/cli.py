@@ -53,7 +53,7 @@ def register(sub) -> None:
     train.add_argument("--pad-to", type=int, default=256,
                        help="round context lengths up to a multiple of this and pad anchors to --anchors, so that "
                             "the attention kernels see few shapes (0: off)")
-    train.add_argument("--attention-chunk", type=int, default=8,
+    train.add_argument("--attention-chunk", type=int, default=16,
                        help="SDPA path: anchor blocks per query chunk; each chunk attends to the context and its own "
                             "blocks only, never scoring the other blocks' keys (0: all anchors in one chunk)")
     train.add_argument("--cudnn-attention", action="store_true",

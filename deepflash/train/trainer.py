@@ -88,7 +88,7 @@ class TrainConfig:
     cudnn_attention: bool = False  # True: SDPA may use cuDNN attention, which plans per shape (9x slower steps)
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
     distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
-    attention_chunk: int = 8  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
+    attention_chunk: int = 16  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
