@@ -5,7 +5,7 @@ import torch
 
 from deepflash.bench.accept import copied_from_beyond, measure
 from deepflash.bench.rings import parse_shape
-from deepflash.bench.speed import TORCH_KERNELS, plain_of
+from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
 from deepflash.ring_kernels import Shape
 from deepflash.engine import Engine
 from deepflash.errors import UserError
@@ -43,6 +43,22 @@ def test_accept_counts_only_its_timed_pass():
     assert out["tokens"] == sum(r.generated_tokens for r in once)
     assert out["spec_steps"] == sum(r.spec.steps for r in once)
     assert outputs == [r.token_ids for r in once]
+
+
+def test_speed_splits_each_request_into_prefill_decode_and_the_rest():
+    """bench speed times the second pass; each request's wall time holds its prefill and decode, and what
+    is left over is reported, so that end-to-end rates can be read against decode rates."""
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    engine = Engine(target, tokenizer, tiny_drafter(drafter_config(target.cfg)), spec="on", block_size=4)
+    prompts = [[5, 9, 22], [7, 8, 30, 31, 40]]
+    out = run_engine(engine, prompts, 10, SamplingParams(max_new_tokens=10))
+    per = out["per_prompt"]
+    assert [p["prompt_tokens"] for p in per] == [3, 5] and sum(p["tokens"] for p in per) == out["tokens"]
+    assert all(0 < p["prefill_s"] < p["wall_s"] for p in per)
+    wall = sum(p["wall_s"] for p in per)
+    assert out["prefill_s"] == pytest.approx(sum(p["prefill_s"] for p in per))
+    assert 0 <= out["outside_decode_and_prefill_s"] < wall
+    assert out["tok_per_s"] == pytest.approx(out["tokens"] / wall)
 
 
 def test_copied_from_beyond_counts_only_text_a_capped_window_cannot_see():

@@ -5,8 +5,9 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from deepflash.drafter import load_drafter
+from deepflash.drafter import DrafterContext, load_drafter
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 from deepflash.train.datagen import build_dataset, generate_batch
@@ -152,6 +153,39 @@ def test_exported_drafter_reads_raw_features_like_the_trained_one_reads_scaled_o
     folded = fold_feature_scale(trainer.drafter, scale)
     torch.testing.assert_close(folded.fuse(raw), trainer.drafter.fuse(raw * scale), rtol=1e-5, atol=1e-5)
     assert not torch.equal(folded.fc.weight, trainer.drafter.fc.weight)  # a copy, training state untouched
+
+
+@pytest.mark.parametrize("layer_types", [[], ["sliding_attention", "full_attention"]])
+def test_training_scores_a_block_as_the_engine_drafts_it(dataset, tmp_path, layer_types):
+    """The training forward of an anchor block and the engine's draft of the same block are one
+    computation: context features strictly before the anchor, [anchor token, MASK x (B-1)] at positions
+    anchor + k, labels at anchor + k (REFERENCE 3-4). Scored with the exported drafter through the
+    inference path (DrafterContext, drafter.logits), the blocks give the training loss."""
+    target, tok, data, _ = dataset
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4, steps=1,
+                     attention="sdpa", mask_token_id=95, layer_types=layer_types, sliding_window=6)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    with torch.no_grad():  # away from the initialisation, whose zeroed projections hide the attention
+        for p in trainer.drafter.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    seq = max(read_all(data)[0], key=len)
+    anchors = torch.nonzero(seq.loss_mask[:-4]).flatten()[[0, 3, 10]]
+    tokens = seq.tokens[None]
+    feats, _ = trainer._target_pass(tokens)
+    loss, *_ = block_loss(trainer.drafter, target, tokens, torch.tensor([len(seq)]), feats * trainer.feature_scale,
+                          seq.loss_mask[None], anchors[None], torch.tensor([3]), trainer.weights, "sdpa")
+    exported = fold_feature_scale(trainer.drafter, trainer.feature_scale)
+    drafted = 0.0
+    for a in anchors.tolist():
+        context = DrafterContext(exported, window=512)
+        context.append(torch.arange(a), feats[0, :a])
+        q_pos = torch.arange(a, a + 4)
+        block = torch.tensor([[int(seq.tokens[a]), 95, 95, 95]])
+        hidden = exported(exported.block_embeddings(target.model.embed_tokens, block), q_pos, context.kv(),
+                          context.masks(q_pos))
+        logits = exported.logits(hidden[0, 1:], target.lm_head)
+        drafted += (F.cross_entropy(logits, seq.tokens[a + 1 : a + 4], reduction="none") * trainer.weights).sum()
+    torch.testing.assert_close(loss.detach(), drafted.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_init_from_an_exported_drafter_starts_where_it_ended(dataset, tmp_path):

@@ -30,24 +30,28 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
     for ids in prompts:
         engine.complete(ids, params)
     tokens = steps = committed = plain_steps = 0
-    wall = decode = 0.0
+    wall = decode = prefill = 0.0
     outputs, per_prompt = [], []
     for ids in prompts:
         began = time.perf_counter()
         r = engine.complete(ids, params)
-        wall += time.perf_counter() - began
+        elapsed = time.perf_counter() - began
+        wall += elapsed
         decode += r.decode_s
+        prefill += r.prefill_s
         tokens += r.generated_tokens
         outputs.append(r.token_ids)
-        # per prompt, so that short and long contexts can be told apart
+        # per prompt, so that short and long contexts can be told apart; the prefill and the rest of the
+        # wall time (host work outside both) show where end-to-end time goes beyond the decode
         per_prompt.append({"prompt_tokens": len(ids), "tokens": r.generated_tokens,
-                           "decode_tok_per_s": r.generated_tokens / r.decode_s if r.decode_s else None})
+                           "decode_tok_per_s": r.generated_tokens / r.decode_s if r.decode_s else None,
+                           "prefill_s": r.prefill_s, "wall_s": elapsed})
         if r.spec is not None:
             steps += r.spec.steps
             committed += r.spec.committed
             plain_steps += r.spec.plain_steps
-    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode, "outputs": outputs,
-           "per_prompt": per_prompt}
+    out = {"tokens": tokens, "tok_per_s": tokens / wall, "decode_tok_per_s": tokens / decode, "prefill_s": prefill,
+           "outside_decode_and_prefill_s": wall - decode - prefill, "outputs": outputs, "per_prompt": per_prompt}
     if engine.drafter is not None:  # how the controller split the steps (a never-matching drafter's probes)
         out.update(spec_steps=steps, plain_steps=plain_steps)
     if steps:
