@@ -2,6 +2,8 @@
 steps lower the loss, and the exported drafter loads and keeps the greedy contract."""
 
 import json
+import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +14,11 @@ from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 from deepflash.train.datagen import build_dataset, generate_batch
 from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
-from deepflash.train.prompts import Task
+from deepflash.errors import UserError
+from deepflash.train.prompts import SHORT_TASKS, Task, parse_task_weights, short_task
 from deepflash.train.shards import read_all
-from deepflash.train.trainer import TrainConfig, Trainer, block_loss, fold_feature_scale
+from deepflash.train.trainer import (TrainConfig, Trainer, acceptance_by_position, accepted_drafts, block_loss,
+                                     fold_feature_scale, walked_acceptance)
 from helpers import tiny_target, tiny_tokenizer
 
 
@@ -84,6 +88,38 @@ def test_decay_weights_start_at_one():
     assert default_gamma(10) == 5 and default_gamma(8) == 4
 
 
+def test_a_block_counts_as_accepted_up_to_its_first_miss():
+    hits = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    accepted = accepted_drafts(hits)
+    assert accepted.tolist() == [2, 1, 0, 4]
+    assert acceptance_by_position(accepted, 5).tolist() == [3, 2, 1, 1]  # blocks that keep draft k
+
+
+def test_the_walk_anchors_each_step_after_the_previous_one_commits():
+    """Blocks at every position of a response 10..19: the engine's steps start at 10, then after each
+    step's accepted drafts and its own token; blocks in between are never drafted."""
+    anchors = list(range(10, 19))
+    accepted = {10: 2, 11: 7, 12: 7, 13: 0, 14: 3, 15: 3, 16: 2, 17: 1, 18: 0}
+    steps, tokens = walked_acceptance(anchors, [accepted[p] for p in anchors], end=20)
+    assert (steps, tokens) == (4, 9)  # 10 -> 13 -> 14 -> 18 -> end; every token after 10 committed once
+
+
+def test_task_weights_choose_the_kinds_of_short_tasks():
+    assert parse_task_weights(None) is None
+    assert parse_task_weights("complete=3, explain=0.5") == {"complete": 3.0, "explain": 0.5}
+    for bad in ("complete", "complet=2", "complete=-1", "complete=x"):
+        with pytest.raises(UserError, match="KIND=WEIGHT"):
+            parse_task_weights(bad)
+    with pytest.raises(UserError, match="every kind weighs 0"):
+        parse_task_weights(",".join(f"{k}=0" for k in SHORT_TASKS))
+    text = 'def area(w, h):\n    """Area of a w x h rectangle."""\n    a = w * h\n    b = a\n    return b\n'
+    only_complete = parse_task_weights(",".join(f"{k}={int(k == 'complete')}" for k in SHORT_TASKS))
+    rng = random.Random(0)
+    kinds = {short_task(rng, Path("m.py"), text, only_complete).kind for _ in range(20)}
+    assert kinds == {"complete"}
+    assert len({short_task(rng, Path("m.py"), text).kind for _ in range(200)}) > 3  # uniform without weights
+
+
 def test_batched_generation_matches_one_by_one():
     target = tiny_target(dtype=torch.float32)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
@@ -132,7 +168,8 @@ def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     last = trainer.progress.history[-1]["eval_loss"]
     assert last < first - 0.3, (first, last)
     log = [json.loads(l) for l in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
-    assert log[0]["step"] == 1 and "acc" in log[0] and log[-1]["eval_expected_al"] >= 1
+    assert log[0]["step"] == 1 and log[0]["al"] == pytest.approx(1 + sum(log[0]["accept"]), abs=2e-3)
+    assert log[-1]["eval_al"] >= 1
     drafter = load_drafter(folder)
     assert drafter.cfg.trained_context_length == 160 and drafter.cfg.block_size == 4
     prompt = [5, 9, 22, 31]
@@ -257,7 +294,7 @@ def test_padding_shapes_leaves_the_loss_unchanged(dataset, tmp_path):
     assert padded._padded(100) == 144 and plain._padded(100) == 100
     torch.testing.assert_close(padded.feature_scale, plain.feature_scale)
     a, b = plain.evaluate(), padded.evaluate()
-    assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-4 and a["eval_acc"] == b["eval_acc"]
+    assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-4 and a["eval_accept"] == b["eval_accept"]
 
 
 def test_a_batch_trains_like_its_sequences_one_by_one(dataset, tmp_path):
@@ -275,8 +312,9 @@ def test_a_batch_trains_like_its_sequences_one_by_one(dataset, tmp_path):
         trainer.drafter.zero_grad()
         tokens, lengths, loss_mask, anchors, real = trainer._batch_inputs(batch)
         feats = trainer._raw_features(tokens) * trainer.feature_scale
-        out = block_loss(trainer.drafter, target, tokens, lengths, feats, loss_mask, anchors, real, trainer.weights,
-                         "sdpa")
+        out = list(block_loss(trainer.drafter, target, tokens, lengths, feats, loss_mask, anchors, real,
+                              trainer.weights, "sdpa"))
+        out[2] = acceptance_by_position(out[2], 4)  # per k: sums over sequences
         out[0].backward()
         return [*out, *(p.grad.clone() for p in trainer.drafter.parameters())]
 

@@ -23,6 +23,10 @@ def register(sub) -> None:
     gen.add_argument("--max-len", type=int, help="longest prompt + response (default: the target's context)")
     gen.add_argument("--sampled-fraction", type=float, default=0.3, help="share answered at temperature 0.8")
     gen.add_argument("--batch-tokens", type=int, default=400_000, help="padded tokens per generation batch")
+    gen.add_argument("--task-weights", metavar="KIND=W,...",
+                     help="relative weights of the short tasks' kinds (unlisted: 1), e.g. complete=3 for more "
+                          "HumanEval-like requests; kinds: explain, type_hints, tests, refactor, docstring, "
+                          "complete, summarize")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
@@ -102,10 +106,11 @@ def target_on(model: str | None, dtype: str, device):
 
 def cmd_generate(args) -> None:
     from .datagen import build_dataset
-    from .prompts import training_tasks
+    from .prompts import parse_task_weights, training_tasks
 
+    weights = parse_task_weights(args.task_weights)  # before loading the model: a typo fails at once
     target, tokenizer, _ = _load(args)
-    tasks = training_tasks(args.count, args.long_fraction, args.seed)
+    tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights)
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)

