@@ -61,6 +61,19 @@ def test_speed_splits_each_request_into_prefill_decode_and_the_rest():
     assert out["tok_per_s"] == pytest.approx(out["tokens"] / wall)
 
 
+def test_accept_refuses_a_plot_it_cannot_draw_before_measuring(monkeypatch):
+    import argparse
+    import importlib.util
+
+    from deepflash.bench import accept
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(accept, "load_runtime", lambda *a: pytest.fail("measured before checking --plot"))
+    with pytest.raises(UserError, match="--plot needs matplotlib"):
+        accept.run(argparse.Namespace(plot="a.png", device="cpu"))
+
+
 def test_copied_from_beyond_counts_only_text_a_capped_window_cannot_see():
     far, near = list(range(100, 110)), list(range(200, 210))
     prompt = far + list(range(300, 340)) + near  # 60 tokens: `far` ends 50 before the end, `near` at it

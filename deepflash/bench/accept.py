@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..errors import UserError
 from ..runtime import load_runtime, resolve_device
 from ..sampling import SamplingParams
 from ..stats import SpecStats
@@ -80,12 +82,12 @@ def _add(total: SpecStats, s: SpecStats) -> None:
 
 
 def run(args) -> dict:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before minutes of measuring, not after
+        raise UserError("--plot needs matplotlib: pip install 'deepflash[bench]' (or leave --plot out)")
     device = resolve_device(args.device)
     rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
     tok, target, drafter = rt.tokenizer, rt.target, rt.drafter
     if drafter is None:
-        from ..errors import UserError
-
         raise UserError("bench accept needs a drafter (the embedded model ships one; else pass --draft)")
     record = {"bench": "accept", **environment(device), "draft": rt.draft_name,
               "trained_context_length": drafter.cfg.trained_context_length, "max_new_tokens": args.max_new_tokens}
