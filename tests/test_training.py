@@ -120,6 +120,13 @@ def test_task_weights_choose_the_kinds_of_short_tasks():
     assert len({short_task(rng, Path("m.py"), text).kind for _ in range(200)}) > 3  # uniform without weights
 
 
+@pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),
+                                         (dict(ckpt_every=0), "--ckpt-every")])
+def test_training_settings_are_checked(bad, message):
+    with pytest.raises(UserError, match=message):
+        TrainConfig(**{"data": "d", "out": "o", "steps": 1, **bad}).validated()
+
+
 def test_batched_generation_matches_one_by_one():
     target = tiny_target(dtype=torch.float32)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]

@@ -48,6 +48,8 @@ def register(sub) -> None:
     train.add_argument("--batch-tokens", type=int, default=16384)
     train.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--eval-every", type=int, default=400, help="steps between evaluations (and at the end)")
+    train.add_argument("--ckpt-every", type=int, default=400, help="steps between checkpoints (and at the end)")
     train.add_argument("--resume", action="store_true")
     train.add_argument("--init-from", help="continue from an exported drafter (its architecture, mask token and "
                                            "taps; a fresh optimizer and schedule), e.g. the shipped one")
@@ -128,7 +130,7 @@ def cmd_train(args) -> None:
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
-                     attention_chunk=args.attention_chunk,
+                     attention_chunk=args.attention_chunk, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      device=args.device)
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

@@ -76,8 +76,10 @@ class TrainConfig:
     gamma: float | None = None
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 200
-    ckpt_every: int = 200
+    # an evaluation (32 held-out sequences, a block at every response position) and a checkpoint took
+    # ~2 s together on an H200, next to ~0.15 s per step: every 400 steps they cost ~3% of a run
+    eval_every: int = 400
+    ckpt_every: int = 400
     eval_fraction: float = 0.02
     attention: str = "auto"  # auto | flex | sdpa
     device: str = "auto"
@@ -105,6 +107,8 @@ class TrainConfig:
             raise UserError("--grow-layers adds layers to the drafter of --init-from; give one")
         if self.grow_layers < 0:
             raise UserError(f"--grow-layers must be >= 0, got {self.grow_layers}")
+        if self.eval_every < 1 or self.ckpt_every < 1:
+            raise UserError(f"--eval-every and --ckpt-every must be >= 1, got {self.eval_every} and {self.ckpt_every}")
         if self.attention_chunk < 0:
             raise UserError(f"--attention-chunk must be >= 0, got {self.attention_chunk}")
         if self.pad_to < 0:
