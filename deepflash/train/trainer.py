@@ -461,19 +461,23 @@ class Trainer:
         batch_weight = sum((self.weights * label[0]).sum() for label in labels if label is not None)
         total = weight = torch.zeros((), device=self.device)
         accepted = counts = torch.zeros(self.cfg.block_size - 1, device=self.device)
-        for (tokens, lengths, loss_mask, anchors, real), label in zip(parts, labels):
-            if anchors is None:  # no response token to learn from
+        for inputs, label in zip(parts, labels):
+            if label is None:  # no response token to learn from
                 continue
-            feats, final = self._target_pass(tokens, final=self.tc.distill)
-            with self._autocast(), torch.set_grad_enabled(train):
-                loss, w, a, c = block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale,
-                                           loss_mask, anchors, real, self.weights, attention or self.attention, final,
-                                           label, self.tc.attention_chunk)
+            loss, w, a, c = self._part_loss(inputs, attention or self.attention, train, label)
             if train:
                 (loss / batch_weight).backward()  # frees this part's graph before the next
             accepted = accepted + acceptance_by_position(a, self.cfg.block_size)
             total, weight, counts = total + loss.detach(), weight + w, counts + c
         return total / weight.clamp(min=1), accepted / counts.clamp(min=1)
+
+    def _part_loss(self, inputs, attention: str, train: bool, label=None):
+        """block_loss of one part's _batch_inputs, after the target's feature pass."""
+        tokens, lengths, loss_mask, anchors, real = inputs
+        feats, final = self._target_pass(tokens, final=self.tc.distill)
+        with self._autocast(), torch.set_grad_enabled(train):
+            return block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale, loss_mask,
+                              anchors, real, self.weights, attention, final, label, self.tc.attention_chunk)
 
     def _parts(self, batch: list[Sequence]) -> list[list[Sequence]]:
         """The batch in parts whose attention masks stay within MASK_ELEMENTS (rows x queries x keys, the
@@ -551,14 +555,11 @@ class Trainer:
         attention = "sdpa" if self.device.type == "cpu" else self.attention
         with self._sdpa_backends():
             for seq in self.eval_seqs[:32]:
-                ids, lengths, loss_mask, anchors, real = self._batch_inputs([seq], every_anchor=True)
+                inputs = self._batch_inputs([seq], every_anchor=True)
+                anchors, real = inputs[3:]
                 if anchors is None:
                     continue
-                feats, final = self._target_pass(ids, final=self.tc.distill)
-                with self._autocast():
-                    part, w, a, c = block_loss(self.drafter, self.target, ids, lengths, feats * self.feature_scale,
-                                               loss_mask, anchors, real, self.weights, attention, final,
-                                               chunk=self.tc.attention_chunk)
+                part, w, a, c = self._part_loss(inputs, attention, train=False)
                 loss, weight, counts = loss + part, weight + w, counts + c
                 accepted = accepted + acceptance_by_position(a, self.cfg.block_size)
                 n = int(real[0])
