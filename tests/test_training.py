@@ -175,8 +175,7 @@ def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     last = trainer.progress.history[-1]["eval_loss"]
     assert last < first - 0.3, (first, last)
     log = [json.loads(l) for l in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
-    assert log[0]["step"] == 1 and log[0]["al"] == pytest.approx(1 + sum(log[0]["accept"]), abs=2e-3)
-    assert log[-1]["eval_al"] >= 1
+    assert log[0]["step"] == 1 and len(log[0]["accept"]) == 3 and log[-1]["eval_al"] >= 1
     drafter = load_drafter(folder)
     assert drafter.cfg.trained_context_length == 160 and drafter.cfg.block_size == 4
     prompt = [5, 9, 22, 31]

@@ -234,8 +234,8 @@ def teacher_states(final: torch.Tensor, label_pos: torch.Tensor) -> torch.Tensor
 
 def _head_loss(drafter: DFlashDrafter, target, hidden, labels, w, valid, teacher=None):
     """One sequence's weighted loss sum and its blocks' accepted drafts [A] (equal to the data's tokens
-    up to the first miss) from its block hidden states [A, B-1, H]: CE on the labels, or with the target's final states at the positions before
-    them, teacher [A, B-1, H], KL(target || drafter)."""
+    up to the first miss) from its block hidden states [A, B-1, H]: CE on the labels, or with the
+    target's final states at the positions before them, teacher [A, B-1, H], KL(target || drafter)."""
     logits = drafter.logits(hidden, target.lm_head)
     log_q = F.log_softmax(logits.float(), dim=-1)
     if teacher is None:
@@ -263,7 +263,7 @@ def walked_acceptance(anchors: list[int], accepted: list[int], end: int) -> tupl
     """(steps, tokens) of greedy speculation over a response as the engine runs it, from blocks anchored
     at every response position: each step commits its block's accepted drafts plus the target's own
     token, and the next block is anchored after them. Averaging over every anchor instead weighs the
-    positions inside easy runs, which a step skips, and overstated the AL (HumanEval: 2.86 against 2.32
+    positions inside easy runs, which a step skips, and overstated the AL (HumanEval: 2.86 against 2.31
     walked and 2.27-2.28 measured by the engine; twelfth session)."""
     by_anchor = dict(zip(anchors, accepted))
     steps = tokens = 0
@@ -436,7 +436,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
     def batch_loss(self, batch: list[Sequence], attention: str | None = None, train: bool = True):
-        """(weighted mean loss, per-k acceptance): the share of blocks whose drafts 1..k all match."""
+        """(weighted mean loss, per-k acceptance): the share of blocks whose drafts 1..k all match. Over
+        random anchors, so not the AL decoding reaches (evaluate walks for that)."""
         with self._sdpa_backends():
             return self._batch_loss(batch, attention, train)
 
@@ -540,7 +541,7 @@ class Trainer:
         p.tokens += round(tokens * self.group.world)
         seconds = time.perf_counter() - began
         p.elapsed = time.perf_counter() - self.started  # wall clock: evals and checkpoints count too
-        return {"step": p.step, "loss": loss, "accept": accept, "al": round(1 + sum(accept), 3), "grad_norm": norm, "lr": self.lr_now(),
+        return {"step": p.step, "loss": loss, "accept": accept, "grad_norm": norm, "lr": self.lr_now(),
                 "tok_per_s": tokens * self.group.world / seconds, "elapsed_s": round(p.elapsed, 1)}
 
     @torch.no_grad()
@@ -585,7 +586,7 @@ class Trainer:
                     record = self.step(batch)
                     p = self.progress
                     display.update(task, completed=int(1000 * min(1.0, self.clock)),
-                                   info=f"loss {record['loss']:.3f} AL {record['al']:.2f} "
+                                   info=f"loss {record['loss']:.3f} accept@1 {record['accept'][0]:.2f} "
                                         f"tok/s {record['tok_per_s']:.0f}")
                     if lead and (p.step % self.tc.log_every == 0 or p.step == 1):
                         log.write(json.dumps(record) + "\n")

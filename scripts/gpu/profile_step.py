@@ -119,14 +119,14 @@ def prefill_profile(plain: Engine, lengths: list[int]) -> dict:
         with torch.profiler.profile() as prof:
             engines["drafter"].complete(prompt, params)
         events = prof.key_averages()
-        out[f"drafter_top_host_{length}"] = [{"op": e.key[:90], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
-                                             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]]
-        out[f"drafter_top_device_{length}"] = [{"op": e.key[:90], "calls": e.count, "device_ms": e.self_device_time_total / 1e3}
-                                               for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]]
+        for side, field, limit in (("host", "self_cpu_time_total", 15), ("device", "self_device_time_total", 10)):
+            ranked = sorted(events, key=lambda e: -getattr(e, field))[:limit]
+            out[f"drafter_top_{side}_{length}"] = [{"op": e.key[:90], "calls": e.count, "ms": getattr(e, field) / 1e3}
+                                                   for e in ranked]
         print(f"  prefill {length} tokens: plain {out[f'plain_ms_{length}']:.1f} ms, with the drafter "
               f"{out[f'drafter_ms_{length}']:.1f} ms; the drafter's top host calls:")
         for row in out[f"drafter_top_host_{length}"]:
-            print(f"  {row['self_cpu_ms']:8.2f} ms  x{row['calls']:5d}  {row['op']}")
+            print(f"  {row['ms']:8.2f} ms  x{row['calls']:5d}  {row['op']}")
     return out
 
 
