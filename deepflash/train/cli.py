@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
+from .prompts import SHORT_TASKS
 
 
 def register(sub) -> None:
@@ -24,9 +25,8 @@ def register(sub) -> None:
     gen.add_argument("--sampled-fraction", type=float, default=0.3, help="share answered at temperature 0.8")
     gen.add_argument("--batch-tokens", type=int, default=400_000, help="padded tokens per generation batch")
     gen.add_argument("--task-weights", metavar="KIND=W,...",
-                     help="relative weights of the short tasks' kinds (unlisted: 1), e.g. complete=3 for more "
-                          "HumanEval-like requests; kinds: explain, type_hints, tests, refactor, docstring, "
-                          "complete, summarize")
+                     help="relative weights of the short tasks' kinds (unlisted: 1), e.g. tests=2,explain=0.5; "
+                          f"kinds: {', '.join(SHORT_TASKS)}")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 

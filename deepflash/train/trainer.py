@@ -76,8 +76,9 @@ class TrainConfig:
     gamma: float | None = None
     seed: int = 0
     log_every: int = 10
-    # an evaluation (32 held-out sequences, a block at every response position) and a checkpoint took
-    # ~2 s together on an H200, next to ~0.15 s per step: every 400 steps they cost ~3% of a run
+    # an evaluation of 32 held-out sequences (up to 256 random blocks each) and a checkpoint took ~2 s
+    # together on an H200, next to ~0.15 s per step (twelfth session); evaluate() now puts a block at every
+    # response position, up to twice as many, so both run half as often as before
     eval_every: int = 400
     ckpt_every: int = 400
     eval_fraction: float = 0.02

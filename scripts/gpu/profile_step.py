@@ -203,7 +203,8 @@ def main():
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.out:
         open(args.out, "w").write(json.dumps(record, indent=2))
-    if args.compile and not (args.spec_only or args.prefill):  # last: a slow or failing compile must not cost the figures above
+    # last: a slow or failing compile must not cost the figures above
+    if args.compile and not (args.spec_only or args.prefill):
         compiled = random_engine(SMOLLM2, args.device, compile=True)
         began = time.perf_counter()
         compiled.complete(prompt, SamplingParams(max_new_tokens=8))
