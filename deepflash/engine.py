@@ -10,6 +10,7 @@ it is the first token of the next block.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from .controller import SpecController
 from .drafter import DFlashDrafter, DrafterContext, validate_pair
 from .errors import UserError
 from .features import FeatureStore, drafter_window, pick_ring_kernels
-from .graphs import StepGraphs, kv_bucket
+from .graphs import StepGraphs, kv_bucket, prefill_pieces
 from .models import TargetModel
 from .output import OutputTracker
 from .sampling import SamplingParams
@@ -120,6 +121,8 @@ class Engine:
         self.device = target.device
         self.cache = target.new_cache(1, self.max_ctx)
         self.stop_ids = tokenizer.stop_ids(cfg.eos_token_ids)
+        if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+            raise UserError(f"the prefill chunk must be a power of two, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.controller = SpecController(mode=spec if drafter is not None else "off")
         self.block_size = 1
@@ -139,7 +142,7 @@ class Engine:
         target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)
         if drafter is not None:
             drafter.rotary.tabulate(cfg.max_position_embeddings, drafter.dtype)
-        self.state = StepState(self.device, self.block_size)
+        self.state = StepState(self.device, self.block_size, self.max_ctx)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
         # compiled variants serve the common shapes (full blocks); a request's last, shorter blocks run
         # uncompiled rather than triggering a recompile per size
@@ -211,13 +214,30 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, seq: Sequence) -> None:
+        """The prompt in pieces (prefill_pieces). Where the target allows it they are powers of two that
+        may overlap, each run as a CUDA graph per (size, KV bucket): an eager prefill chunk is hundreds of
+        host-bound kernel launches (~12 ms for a 170-token prompt on an H200, BENCHMARKS.md). Else
+        (recurrent layers) consecutive chunks of prefill_chunk, eager."""
         if self.steps.features is not None:
             self.steps.features.reset()
             self.steps.context.reset()
-        self.state.seed.fill_(seq.params.seed)
-        ids = torch.tensor(seq.tokens, device=self.device)
-        self.steps.prefill(ids, self.prefill_chunk, seq.params)
-        seq.drafter_synced = len(seq.tokens)
+        params = seq.params
+        self.state.seed.fill_(params.seed)
+        n = len(seq.tokens)
+        self.state.prompt[:n].copy_(torch.tensor(seq.tokens))
+        sampling = (params.temperature, params.top_k, params.top_p)
+        graphs = self.target.idempotent_positions
+        pieces = prefill_pieces(n, self.prefill_chunk) if graphs else \
+            [(lo, min(self.prefill_chunk, n - lo)) for lo in range(0, n, self.prefill_chunk)]
+        for lo, size in pieces:
+            self.state.start.fill_(lo)
+            kv_len = kv_bucket(lo + size, self.max_ctx) if graphs else lo + size
+            step = functools.partial(self.steps.prefill, size, kv_len, params)
+            if graphs:
+                self.graphs.run(("prefill", size, kv_len) + sampling, step)
+            else:
+                step()
+        seq.drafter_synced = n
 
     def _room(self, seq: Sequence, inflight: deque[Launched] | tuple = ()) -> int:
         """Tokens a step launched after the `inflight` ones may still add to the output: cut by

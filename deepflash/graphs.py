@@ -77,3 +77,21 @@ def kv_bucket(needed: int, max_ctx: int, floor: int = 256) -> int:
     while span < needed:
         span *= 2
     return min(span, max_ctx)
+
+
+def prefill_pieces(n: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, size) pieces covering positions [0, n) in power-of-two sizes up to `chunk` (a power of
+    two), so that few graph variants serve every prompt length: whole chunks, then the rest in at most
+    two pieces, the last ending at n. A rest that is not a power of two is covered by the smallest
+    power of two above it, reaching back over positions already done: running a position again
+    rewrites its KV and features with the same values (targets with `idempotent_positions`)."""
+    pieces = [(lo, chunk) for lo in range(0, n - chunk + 1, chunk)]
+    done = len(pieces) * chunk
+    if done == 0 and n:  # a short prompt: its largest power of two first
+        done = 1 << (n.bit_length() - 1)
+        pieces.append((0, done))
+    rest = n - done
+    if rest:
+        size = 1 << (rest - 1).bit_length()  # <= done: the piece starts at or after position 0
+        pieces.append((n - size, size))
+    return pieces

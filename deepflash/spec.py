@@ -22,8 +22,9 @@ from .sampling import SamplingParams, choose
 class StepState:
     """Inputs and outputs of the step functions, on the device."""
 
-    def __init__(self, device: torch.device, block_size: int):
+    def __init__(self, device: torch.device, block_size: int, max_ctx: int):
         long = dict(dtype=torch.long, device=device)
+        self.prompt = torch.zeros(max_ctx, **long)  # the request's prompt, read by the prefill steps
         self.start = torch.zeros((), **long)  # positions processed by the target (KV and features exist)
         self.last = torch.zeros(1, **long)  # newest committed token, the next block's first token
         self.seed = torch.zeros((), **long)
@@ -31,7 +32,7 @@ class StepState:
         self.result = torch.zeros(block_size + 1, **long)  # [accepted drafts, committed tokens...]
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.start, self.last, self.seed, self.drafts, self.result]
+        return [self.prompt, self.start, self.last, self.seed, self.drafts, self.result]
 
 
 class Steps:
@@ -41,20 +42,21 @@ class Steps:
         self.drafter, self.features, self.context = drafter, features, context
         self.taps = drafter.cfg.target_layer_ids if drafter is not None else ()
 
-    def prefill(self, ids: torch.Tensor, chunk: int, params: SamplingParams) -> None:
-        """Run the prompt in chunks, capturing features; choose the first new token. Eager (host shapes)."""
-        n = ids.shape[0]
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            positions = torch.arange(lo, hi, device=ids.device)
-            logits, feats = self.target(ids[None, lo:hi], positions, self.cache, hi, capture=self.taps,
-                                        logits="last" if hi == n else "none")
-            self._commit(positions, feats)
-        token = choose(logits[0], torch.tensor([n], device=ids.device), params, self.state.seed)
-        self.state.start.fill_(n)
-        self.state.last.copy_(token)
-        self.state.result[:1].zero_()
-        self.state.result[1:2].copy_(token)
+    def prefill(self, size: int, kv_len: int, params: SamplingParams) -> None:
+        """The next `size` prompt tokens (state.prompt from state.start): their KV, features and drafter
+        context K/V, and the choice after the last of them into result and last, so that the prompt's
+        last chunk leaves the first new token. Fixed shapes: a graph per (size, kv_len) serves every
+        prompt (the engine splits a prompt into a few sizes)."""
+        s = self.state
+        positions = s.start + torch.arange(size, device=s.start.device)
+        tokens = s.prompt.gather(0, positions)
+        logits, feats = self.target(tokens[None], positions, self.cache, kv_len, capture=self.taps, logits="last")
+        self._commit(positions, feats)
+        token = choose(logits[0], positions[-1:] + 1, params, s.seed)
+        s.result[:1].zero_()
+        s.result[1:2].copy_(token)
+        s.last.copy_(token)
+        s.start += size
 
     def plain(self, kv_len: int, params: SamplingParams) -> None:
         """One target forward over the last token. Its features go to the rings, so drafting can resume

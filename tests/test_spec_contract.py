@@ -108,7 +108,9 @@ def test_steps_have_no_host_syncs():
     engine.complete(prompt(10), params)
     steps = engine.steps
     torch._dynamo.reset()
-    for fn, args in [(steps.draft, (8, 256)), (steps.verify, (8, 256, params)), (steps.plain, (256, params))]:
+    steps.state.start.fill_(0)  # the prefill step reads the prompt from its start
+    for fn, args in [(steps.prefill, (8, 256, params)), (steps.draft, (8, 256)), (steps.verify, (8, 256, params)),
+                     (steps.plain, (256, params))]:
         torch.compile(fn, fullgraph=True, backend="eager")(*args)
 
 

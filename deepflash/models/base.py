@@ -17,6 +17,10 @@ class TargetModel(nn.Module):
     """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
 
     auto_kernels = "torch"  # what use_kernels("auto") picks on CUDA: a subclass's measured-faster set
+    # a position's forward may run twice, rewriting its KV with the same values: the engine's prefill
+    # may then cover a prompt with overlapping power-of-two pieces (graphs.prefill_pieces). Recurrent
+    # layers would absorb the token twice.
+    idempotent_positions = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -139,6 +139,7 @@ class Qwen35Model(TargetModel):
     """forward(tokens [B,T], positions [T], cache, kv_len) -> (logits, features), like LlamaModel."""
 
     norm_neutral = 0.0  # norm weights are offsets from 1 (read by init_random_)
+    idempotent_positions = False  # the DeltaNet states absorb every token fed: prefill runs each once
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

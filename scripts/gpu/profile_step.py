@@ -103,8 +103,8 @@ def attention_sweep(plain: Engine, settings: str) -> dict:
 def prefill_profile(plain: Engine, lengths: list[int]) -> dict:
     """Prefill alone (one new token) without and with the shipped drafter (spec on, Triton kernels): its
     time per prompt length, and for the drafter's the host calls and device kernels that take the most
-    time under torch.profiler. bench speed measured the drafter's prefill at about twice plain's (22-26
-    against 10-15 ms for 170 tokens, 140-164 against 60-88 ms for 5849; twelfth session)."""
+    time under torch.profiler. The eager prefill was host-bound: the drafter added ~9%, and plain's own
+    time varied up to 2.5x between runs (thirteenth session); the prefill now runs as CUDA graphs."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     kernels = "triton" if rope_kernel.available() else "torch"
     engines = {"plain": sibling(plain, target_kernels=kernels, max_ctx=8192),
