@@ -12,21 +12,24 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, fold_mask
+from .models.layers import (MLP, FusedProjections, RMSNorm, Rotary, apply_rotary, attention, fold_mask,
+                            fuse_linears)
 
 
 def attend(q, ctx_k, ctx_v, k, v, mask):
-    """Block queries q [b, H, T, D] over keys [context, block]: with an explicit boolean mask (SDPA), or
-    in training on CUDA a flex_attention BlockMask, or in training's SDPA path query chunks
-    (train/chunks.py), which never score the other blocks' keys."""
+    """Block queries q [b, H, T, D] over keys [context, block]: with an explicit mask already folded for
+    SDPA (fold_mask, as DrafterContext.masks gives them), or in training on CUDA a flex_attention
+    BlockMask, or in training's SDPA path query chunks (train/chunks.py), which never score the other
+    blocks' keys."""
     if isinstance(mask, torch.Tensor):
         keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        return attention(q, keys, values, fold_mask(mask, q.shape[1] // k.shape[1], q.dtype))
+        return attention(q, keys, values, mask)
     from .train.chunks import ChunkedMask, chunked_attend
     from .train.flex import flex_attend
 
@@ -45,20 +48,35 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """q, k and v as one GEMM (fuse_linears), the context rows' k and v as one: inference only,
+        drafters in training stay unfused."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def keys_values(self, x, cos, sin):
         """K (k_norm, rope at its own positions) and V of rows x [b, n, H] -> [b, Hkv, n, D] each."""
-        b, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim))
-        k = apply_rotary(k, cos, sin)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        if self.qkv is None:
+            return self._keys_values(self.k_proj(x), self.v_proj(x), cos, sin)
+        kv_weight = self.qkv[0][self.heads * self.head_dim :]  # rows of k, then v: a contiguous slice
+        return self._keys_values(*F.linear(x, kv_weight).chunk(2, dim=-1), cos, sin)
+
+    def _keys_values(self, k, v, cos, sin):
+        b, n, _ = k.shape
+        k = apply_rotary(self.k_norm(k.view(b, n, self.kv_heads, self.head_dim)), cos, sin)
+        return k.transpose(1, 2), v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         """Queries from the block only; keys/values = [context, block] (KV injection)."""
         b, t, _ = x.shape
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)), cos, sin)
-        k, v = self.keys_values(x, cos, sin)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv_rows = self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv[0]).split([self.heads * self.head_dim, kv_rows, kv_rows], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(b, t, self.heads, self.head_dim)), cos, sin)
+        k, v = self._keys_values(k, v, cos, sin)
         out = attend(q.transpose(1, 2), ctx_k, ctx_v, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -76,8 +94,9 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
-    """Parameter names are the z-lab checkpoint names (no `model.` prefix, no embed / lm_head)."""
+class DFlashDrafter(FusedProjections):
+    """Parameter names are the z-lab checkpoint names (no `model.` prefix, no embed / lm_head). Loaded for
+    inference its projections are fused (load_drafter); trained, they are not."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -164,25 +183,31 @@ class DrafterContext:
         dev, dt = drafter.device, drafter.dtype
         self.k = [torch.zeros((1, cfg.num_kv_heads, cap, cfg.head_dim), device=dev, dtype=dt) for cap in self.caps]
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.tags = [torch.full((cap,), -1, dtype=torch.int64, device=dev) for cap in self.caps]
+        # layers of one capacity hold the same positions: they share one tag ring, and their masks
+        self.tag_rings = {cap: torch.full((cap,), -1, dtype=torch.int64, device=dev) for cap in self.caps}
+        self.tags = [self.tag_rings[cap] for cap in self.caps]
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes + t.nbytes for k, v, t in zip(self.k, self.v, self.tags))
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v)) + sum(t.nbytes for t in self.tag_rings.values())
 
     def reset(self) -> None:
-        for tags in self.tags:
+        for tags in self.tag_rings.values():
             tags.fill_(-1)
 
     def append(self, positions: torch.Tensor, features: torch.Tensor) -> None:
         """Features [n, F] of consecutive positions [n] -> fused -> each layer's K/V, scattered to its ring."""
         kv = self.drafter.context_kv(self.drafter.fuse(features)[None], positions)
+        # a run longer than a ring keeps its newest rows
+        kept = {cap: positions[-min(positions.shape[0], cap):] for cap in self.tag_rings}
+        slots = {cap: run % cap for cap, run in kept.items()}
         for i, (k, v) in enumerate(kv):
-            keep = min(positions.shape[0], self.caps[i])  # a run longer than the ring keeps its newest rows
-            slots = positions[-keep:] % self.caps[i]
-            self.k[i].index_copy_(2, slots, k[:, :, -keep:])
-            self.v[i].index_copy_(2, slots, v[:, :, -keep:])
-            self.tags[i].index_copy_(0, slots, positions[-keep:])
+            cap = self.caps[i]
+            keep = kept[cap].shape[0]
+            self.k[i].index_copy_(2, slots[cap], k[:, :, -keep:])
+            self.v[i].index_copy_(2, slots[cap], v[:, :, -keep:])
+        for cap, tags in self.tag_rings.items():
+            tags.index_copy_(0, slots[cap], kept[cap])
 
     def rebuild(self, start: int, features: torch.Tensor) -> None:
         """Start over from the mirror's context rows for [start, start + n) (window change, restore,
@@ -192,20 +217,29 @@ class DrafterContext:
             self.append(torch.arange(start, start + features.shape[0], device=self.drafter.device), features)
 
     def masks(self, q_pos: torch.Tensor, span: int | None = None) -> list[torch.Tensor]:
-        """Per layer [size, slots + size] for a block at positions q_pos: the committed context positions in
-        [start - window, start) that the query may see (sliding: q - p < W), then the block's own keys.
-        slots: see `kv`."""
+        """Per layer the attention mask of a block at positions q_pos, folded for `attention` (fold_mask:
+        additive, [groups * size, slots + size]): the committed context positions in [start - window,
+        start) that the query may see (sliding: q - p < W), then the block's own keys. Layers alike
+        (capacity, window, causality) share one mask. slots: see `kv`."""
         cfg = self.drafter.cfg
-        start = q_pos[:1]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        made: dict[tuple, torch.Tensor] = {}
         out = []
-        for i, (tags, slots) in enumerate(zip(self.tags, self._slots(span))):
-            tags = tags[:slots]
-            window = cfg.layer_window(i)
-            ctx = ((tags < start) & (tags >= start - self.window) & (tags >= 0))[None, :].expand(q_pos.shape[0], -1)
-            if window is not None:
-                ctx = ctx & (q_pos[:, None] - tags[None, :] < window)
-            out.append(torch.cat([ctx, block_mask(q_pos, q_pos, cfg.layer_is_causal(i), window)], dim=1))
+        for i, (cap, slots) in enumerate(zip(self.caps, self._slots(span))):
+            key = (cap, cfg.layer_window(i), cfg.layer_is_causal(i))
+            if key not in made:
+                visible = self._visible(self.tag_rings[cap][:slots], q_pos, *key[1:])
+                made[key] = fold_mask(visible, groups, self.drafter.dtype)
+            out.append(made[key])
         return out
+
+    def _visible(self, tags: torch.Tensor, q_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
+        """Boolean [size, slots + size]: the context slots, then the block's own keys (see masks)."""
+        start = q_pos[:1]
+        ctx = ((tags < start) & (tags >= start - self.window) & (tags >= 0))[None, :].expand(q_pos.shape[0], -1)
+        if window is not None:
+            ctx = ctx & (q_pos[:, None] - tags[None, :] < window)
+        return torch.cat([ctx, block_mask(q_pos, q_pos, causal, window)], dim=1)
 
     def kv(self, span: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's K/V over its first min(span, cap) slots. span: a bound on the positions ever
@@ -272,7 +306,7 @@ def load_drafter(spec: str | Path, device="cpu", dtype=torch.float32) -> DFlashD
         raise UserError(f"drafter checkpoint {folder} does not match its config: missing {sorted(missing)[:5]}, "
                         f"unexpected {sorted(unexpected)[:5]}")
     drafter.rotary.reset_buffers(device)
-    return drafter.eval().requires_grad_(False)
+    return drafter.eval().requires_grad_(False).fuse_projections()
 
 
 def validate_pair(cfg: DrafterConfig, target: ModelConfig, block_size: int | None = None) -> None:

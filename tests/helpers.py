@@ -58,10 +58,12 @@ def drafter_config(target_cfg: ModelConfig, layers: int = 2, block_size: int = 1
     return DrafterConfig.from_hf(cfg)
 
 
-def tiny_drafter(cfg: DrafterConfig, dtype=torch.float64, seed=1, std=0.2) -> DFlashDrafter:
+def tiny_drafter(cfg: DrafterConfig, dtype=torch.float64, seed=1, std=0.2, fused: bool = True) -> DFlashDrafter:
+    """fused: the inference form load_drafter gives (one GEMM for q/k/v, one for gate/up)."""
     drafter = DFlashDrafter(cfg).to(dtype)
     init_random_(drafter, seed, std)
-    return materialize(drafter, "cpu").eval().requires_grad_(False)
+    drafter = materialize(drafter, "cpu").eval().requires_grad_(False)
+    return drafter.fuse_projections() if fused else drafter
 
 
 def save_tiny_model(folder: Path, **overrides) -> Path:

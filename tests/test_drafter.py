@@ -105,7 +105,8 @@ def test_a_span_past_every_held_position_drafts_as_the_whole_ring(sliding):
     spanned = drafter(x, q_pos, context.kv(16), context.masks(q_pos, 16))
     slots = [min(16, cap) for cap in context.caps]  # sliding layers' rings (window + slack) are smaller
     assert [k.shape[2] for k, _ in context.kv(16)] == slots
-    assert [m.shape for m in context.masks(q_pos, 16)] == [(6, n + 6) for n in slots]
+    groups = drafter.cfg.num_heads // drafter.cfg.num_kv_heads  # masks come folded for attention
+    assert [m.shape for m in context.masks(q_pos, 16)] == [(groups * 6, n + 6) for n in slots]
     assert 16 < max(context.caps)
     torch.testing.assert_close(spanned, whole, rtol=0, atol=1e-12)
 
@@ -127,12 +128,39 @@ def test_context_cache_never_holds_the_block_and_rebuild_equals_incremental():
         assert torch.allclose(a[:, :, keep_a][:, :, order_a], b[:, :, keep_b][:, :, order_b])
 
 
+def test_fused_projections_draft_as_the_unfused_ones_and_survive_a_move():
+    """Inference drafters run q/k/v and gate/up as one GEMM each; training ones do not. Same drafts, same
+    context K/V; .to() keeps the fusion (its tensors follow the parameters)."""
+    target = tiny_target()
+    cfg = drafter_config(target.cfg, layers=2, block_size=6)
+    plain, fused = tiny_drafter(cfg, fused=False), tiny_drafter(cfg)
+    assert plain.layers[0].self_attn.qkv is None and fused.layers[0].self_attn.qkv is not None
+    feats = torch.randn(9, 2 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    q_pos = torch.arange(9, 15)
+    block = torch.tensor([[7] + [cfg.mask_token_id] * 5])
+
+    def draft_and_context(drafter):
+        context = DrafterContext(drafter, 32, slack=6)
+        context.append(torch.arange(9), feats)
+        x = drafter.block_embeddings(target.model.embed_tokens, block)
+        return drafter(x, q_pos, context.kv(), context.masks(q_pos)), context.k[1][:, :, :9]
+
+    want = draft_and_context(plain)
+    for got, ref in zip(draft_and_context(fused), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    fused.to(torch.float32)  # in place: the fused tensors must follow, or the GEMMs would mix dtypes
+    assert {layer.self_attn.qkv[0].dtype for layer in fused.layers} == {torch.float32}
+    assert {layer.mlp.gate_up[0].dtype for layer in fused.layers} == {torch.float32}
+    for got, ref in zip(draft_and_context(fused), want):
+        torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_save_load_round_trip(tmp_path):
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(target.cfg, sliding=True), dtype=torch.float32)
     save_drafter(drafter, tmp_path, dtype=torch.float32)
     loaded = load_drafter(tmp_path)
-    assert loaded.cfg == drafter.cfg
+    assert loaded.cfg == drafter.cfg and loaded.fused
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     raw = json.loads((tmp_path / "config.json").read_text())

@@ -61,6 +61,7 @@ def test_chunked_attention_equals_the_dense_masked_one(causal, window):
     """Query chunks that see [context, own blocks] give the dense training mask's outputs and gradients
     (other chunks' block keys are masked there anyway); GQA heads, two sequences."""
     from deepflash.drafter import attend
+    from deepflash.models.layers import fold_mask
     from deepflash.train.chunks import chunked_mask
 
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +74,8 @@ def test_chunked_attention_equals_the_dense_masked_one(causal, window):
     dense = training_mask(anchors, seq_len, block, causal, window)[:, None]
     for blocks in (1, 2, 3):
         chunked = chunked_mask(anchors, seq_len, block, causal, window, blocks, heads // kv_heads, q.dtype)
-        outs = [attend(q, ctx_k, ctx_v, k, v, mask) for mask in (dense, chunked)]
+        folded = fold_mask(dense, heads // kv_heads, q.dtype)  # attend takes masks folded for attention
+        outs = [attend(q, ctx_k, ctx_v, k, v, mask) for mask in (folded, chunked)]
         grads = [torch.autograd.grad(out.square().sum(), (q, ctx_k, ctx_v, k, v)) for out in outs]
         torch.testing.assert_close(outs[1], outs[0])
         for got, want in zip(*grads[::-1]):

@@ -87,7 +87,7 @@ def never_matching_drafter(like: DFlashDrafter) -> DFlashDrafter:
         drafter = DFlashDrafter(like.cfg).to(like.dtype)
     drafter = drafter.to_empty(device=like.device)
     init_random_(drafter, seed=123, std=0.02)
-    return materialize(drafter, like.device).eval().requires_grad_(False)
+    return materialize(drafter, like.device).eval().requires_grad_(False).fuse_projections()
 
 
 def random_engine(shape: dict, device: torch.device | str, **engine_args) -> Engine:

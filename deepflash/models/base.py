@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .layers import final_norm, tap
+from .layers import FusedProjections, final_norm, tap
 
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
 
 
-class TargetModel(nn.Module):
+class TargetModel(FusedProjections):
     """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
 
     auto_kernels = "torch"  # what use_kernels("auto") picks on CUDA: a subclass's measured-faster set
@@ -33,16 +32,6 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
-
-    fused = False  # set by fuse_projections
-
-    def fuse_projections(self) -> TargetModel:
-        """Fused GEMMs for a frozen target's projections that share an input (layers.fuse_linears)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
-        self.fused = True
-        return self
 
     def use_kernels(self, kind: str) -> TargetModel:
         """'auto' (on CUDA the target class's auto_kernels, else torch), 'torch' or 'triton': with
@@ -64,13 +53,6 @@ class TargetModel(nn.Module):
         for module in layers:
             module.kernels = kind
         return self
-
-    def _apply(self, fn, recurse=True):
-        """.to() and friends move parameters one by one, which would leave the fused projection tensors
-        behind on the old device or dtype (a forward then fails on mixed devices): fuse them again from
-        the moved parameters."""
-        super()._apply(fn, recurse)
-        return self.fuse_projections() if self.fused else self
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

@@ -187,6 +187,27 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, bias
 
 
+class FusedProjections(nn.Module):
+    """A frozen model whose submodules' projections that share an input run as one GEMM each (their
+    `fuse_projections`, fuse_linears). The fusion survives .to() and friends."""
+
+    fused = False  # set by fuse_projections
+
+    def fuse_projections(self):
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+        self.fused = True
+        return self
+
+    def _apply(self, fn, recurse=True):
+        """.to() and friends move parameters one by one, which would leave the fused tensors behind on the
+        old device or dtype (a forward then fails on mixed devices): fuse them again from the moved
+        parameters."""
+        super()._apply(fn, recurse)
+        return self.fuse_projections() if self.fused else self
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward with HF names gate_proj / up_proj / down_proj."""
 

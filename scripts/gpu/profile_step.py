@@ -147,7 +147,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd steps (SmolLM2 shape)")
     ap.add_argument("--spec-only", action="store_true",
-                    help="only the speculative step with the shipped drafter (SmolLM2 shape, Triton kernels)")
+                    help="only the speculative step with the shipped drafter (SmolLM2 shape, Triton kernels); "
+                         "with --prefill, both")
     ap.add_argument("--prefill", action="store_true",
                     help="only the prefill, without and with the shipped drafter (SmolLM2 shape, 170 and 5849 tokens)")
     ap.add_argument("--attention-sweep", metavar="CHUNK,...",
@@ -155,11 +156,12 @@ def main():
     args = ap.parse_args()
     prompt = list(range(100, 356))
     record = {}
-    if args.spec_only:
-        record["smollm2-shaped"] = {"spec_on": spec_profile(random_engine(SMOLLM2, args.device), prompt)}
+    if args.spec_only:  # with --prefill both run
+        record.setdefault("smollm2-shaped", {})["spec_on"] = spec_profile(random_engine(SMOLLM2, args.device), prompt)
         print_top("spec on, Triton kernels", record["smollm2-shaped"]["spec_on"]["top"])
     if args.prefill:
-        record["smollm2-shaped"] = {"prefill": prefill_profile(random_engine(SMOLLM2, args.device), [170, 5849])}
+        record.setdefault("smollm2-shaped", {})["prefill"] = prefill_profile(random_engine(SMOLLM2, args.device),
+                                                                             [170, 5849])
     shapes = [] if args.spec_only or args.prefill else [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
