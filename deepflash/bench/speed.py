@@ -196,12 +196,14 @@ def run(args) -> dict:
             # (transformers' outputs follow their own stop rules and kernels, so they are not compared)
             r["same_output_as_our_plain"] = sum(a == b for a, b in zip(outputs, reference))
         rows.append([name, r.get("tok_per_s", r.get("decode_tok_per_s", r.get("error", "-"))),
-                     ratio if ratio is not None else "-", r.get("acceptance_length", "-"),
+                     ratio if ratio is not None else "-", r.get("decode_tok_per_s", "-") if "tok_per_s" in r else "-",
+                     1e3 * r["prefill_s"] if "prefill_s" in r else "-", r.get("acceptance_length", "-"),
                      f"{r['spec_steps']} / {r['plain_steps']}" if "spec_steps" in r else "-", r.get("mbu", "-"),
                      f"{r['same_output_as_our_plain']}/{len(prompts)}" if "same_output_as_our_plain" in r else "-"])
     table(f"speed: {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy; outputs compared with our "
           f"plain decode on the same target kernels (plain on torch's kernels: with plain on the default ones)",
-          ["system", "tok/s", "vs our plain", "AL", "spec / plain steps", "MBU", "same output as our plain"], rows)
+          ["system", "tok/s", "vs our plain", "decode tok/s", "prefill ms (all prompts)", "AL", "spec / plain steps",
+           "MBU", "same output as our plain"], rows)
     record = {"bench": "speed", **environment(device), "copy_bandwidth_gb_s": bandwidth, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "results": results}
     return finish(record, args.out)
