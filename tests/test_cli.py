@@ -82,6 +82,11 @@ def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, me
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_generate_data_refuses_a_doctest_fraction_outside_0_1(capsys, tmp_path):
+    code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path, "--doctest-fraction", "1.5")
+    assert code == 2 and "--doctest-fraction" in err and len(err.strip().splitlines()) == 1
+
+
 def test_unsupported_architecture_exits_2(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     code, _, err = run(capsys, "generate", "hi", "--model", tmp_path)

@@ -122,6 +122,29 @@ def test_task_weights_choose_the_kinds_of_short_tasks():
     assert len({short_task(rng, Path("m.py"), text).kind for _ in range(200)}) > 3  # uniform without weights
 
 
+def test_doctest_fraction_adds_humaneval_like_requests_and_keeps_the_other_prompts(tmp_path, monkeypatch):
+    """A share of the tasks asks to complete functions whose docstrings carry doctest examples (at most
+    two per file); the rest are the prompts the same seed gives without that share."""
+    import deepflash.train.prompts as prompts
+
+    plain = 'def area(w, h):\n    """Area of a w x h rectangle."""\n    a = w * h\n    b = a\n    return b\n'
+    doctest = ('def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n'
+               '    return y\n')
+    files = []
+    for i in range(40):
+        files.append(tmp_path / f"m{i}.py")
+        files[-1].write_text(plain + "\n\n" + doctest * (3 if i % 4 == 0 else 0))
+    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    before = prompts.training_tasks(12, long_fraction=0.0, seed=3)
+    mixed = prompts.training_tasks(12, long_fraction=0.0, seed=3, doctest_fraction=0.25)
+    doctests = [t for t in mixed if t.kind == "complete_doctest"]
+    assert len(mixed) == 12 and len(doctests) == 3
+    assert all(">>>" in t.messages[0]["content"] and "Complete the following" in t.messages[0]["content"]
+               for t in doctests)
+    assert len({t.source for t in doctests}) == 2  # two from the first doctest file, one from the next
+    assert [t.messages for t in mixed if t.kind != "complete_doctest"] == [t.messages for t in before[:9]]
+
+
 @pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),
                                          (dict(ckpt_every=0), "--ckpt-every")])
 def test_training_settings_are_checked(bad, message):

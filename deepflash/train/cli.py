@@ -27,6 +27,9 @@ def register(sub) -> None:
     gen.add_argument("--task-weights", metavar="KIND=W,...",
                      help="relative weights of the short tasks' kinds (unlisted: 1), e.g. tests=2,explain=0.5; "
                           f"kinds: {', '.join(SHORT_TASKS)}")
+    gen.add_argument("--doctest-fraction", type=float, default=0.0,
+                     help="share of 'complete' requests for functions with doctest examples in their docstrings "
+                          "(HumanEval's form)")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
@@ -111,8 +114,11 @@ def cmd_generate(args) -> None:
     from .prompts import parse_task_weights, training_tasks
 
     weights = parse_task_weights(args.task_weights)  # before loading the model: a typo fails at once
+    if not 0 <= args.doctest_fraction <= 1:
+        raise UserError(f"--doctest-fraction must be between 0 and 1, got {args.doctest_fraction}")
     target, tokenizer, _ = _load(args)
-    tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights)
+    tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights,
+                           doctest_fraction=args.doctest_fraction)
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)
