@@ -208,7 +208,7 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
         if len(tasks) >= count - wanted_doctests and len(doctests) >= wanted_doctests:
             break
         text = path.read_text(errors="replace")
-        if len(doctests) < wanted_doctests:
+        if len(doctests) < wanted_doctests and ">>>" in text:  # the check spares parsing most files
             doctests += doctest_tasks(path, text)[: wanted_doctests - len(doctests)]
         if len(tasks) >= count - wanted_doctests:
             continue
