@@ -185,7 +185,11 @@ class DrafterContext:
         self.v = [torch.zeros_like(k) for k in self.k]
         # layers of one capacity hold the same positions: they share one tag ring, and their masks
         self.tag_rings = {cap: torch.full((cap,), -1, dtype=torch.int64, device=dev) for cap in self.caps}
-        self.tags = [self.tag_rings[cap] for cap in self.caps]
+
+    @property
+    def tags(self) -> list[torch.Tensor]:
+        """Each layer's tag ring (shared by the layers of one capacity)."""
+        return [self.tag_rings[cap] for cap in self.caps]
 
     @property
     def nbytes(self) -> int:
