@@ -21,7 +21,7 @@ import torch
 from .controller import SpecController
 from .drafter import DFlashDrafter, DrafterContext, validate_pair
 from .errors import UserError
-from .features import FeatureStore, drafter_window, pick_ring_kernels
+from .features import FeatureStore, drafter_window, pick_ring_kernels, storage_scale
 from .graphs import StepGraphs, kv_bucket, prefill_pieces
 from .models import TargetModel
 from .output import OutputTracker
@@ -135,7 +135,8 @@ class Engine:
             width = len(drafter.cfg.target_layer_ids) * cfg.hidden_size
             features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device, drafter.device,
                                     slack=self.block_size,
-                                    kernels=pick_ring_kernels(ring_kernels, self.device, compile))
+                                    kernels=pick_ring_kernels(ring_kernels, self.device, compile),
+                                    channel_scale=storage_scale(drafter.fc.weight))
             context = DrafterContext(drafter, self.window, slack=self.block_size)
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
         # the tables cover the target's whole range, so that engines sharing a model share them

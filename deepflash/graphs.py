@@ -12,6 +12,7 @@ the elementwise work (norms, rope, SiLU) into fewer kernels.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,10 +28,7 @@ class StepGraphs:
         self.enabled = enabled and device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        # One warm-up stream and one capture stream for every capture: cuBLAS keeps a workspace per
-        # stream it has run on (32 MiB on Hopper), so a fresh warm-up stream per capture cost 32 MiB per
-        # graph variant (measured: ~1 GB of a 7.8K-token request's peak, issue 4).
-        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.enabled else None
+        self.streams = capture_streams(device) if self.enabled else None
 
     def run(self, key: tuple, fn: Callable[[], None]) -> bool:
         """Run the step; True when this run captured its graph (one-off host and device work)."""
@@ -68,6 +66,21 @@ class StepGraphs:
     def clear(self) -> None:
         self.graphs.clear()
         self.pool = None
+
+
+@functools.cache
+def _capture_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+
+def capture_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The warm-up and capture streams of every capture on `device`, shared by all engines of the
+    process: cuBLAS keeps a workspace per stream it has run on (32 MiB on Hopper) until the process
+    ends. A fresh warm-up stream per capture cost 32 MiB per graph variant (~1 GB of a 7.8K-token
+    request's peak), and a pair per engine left 64 MiB behind every engine built (bench memory's
+    second case, issue 4)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capture_streams(torch.device(device.type, index))
 
 
 def kv_bucket(needed: int, max_ctx: int, floor: int = 256) -> int:

@@ -57,6 +57,7 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
     }
     window = None
     width = 0
+    block = block_size or (drafter.cfg.block_size if drafter is not None else 1)
     if drafter is not None:
         dcfg = drafter.cfg
         window = drafter_window(max_ctx, trained_ctx or dcfg.trained_context_length, feat_ring_cap)
@@ -64,14 +65,17 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         ring_row = width * item
         mirror_row = row_format(feature_dtype).row_bytes(width)
         same = shared_device and row_format(feature_dtype).dtype == target.dtype
-        caps = [min(window, dcfg.layer_window(i) or window) for i in range(dcfg.num_layers)]
+        caps = [min(window, dcfg.layer_window(i) or window) + block for i in range(dcfg.num_layers)]
         kv_row = 2 * dcfg.num_kv_heads * dcfg.head_dim * drafter.dtype.itemsize
         parts["drafter weights"] = drafter.weight_bytes()
         parts["rope tables"] += drafter.rotary.table_bytes(cfg.max_position_embeddings, drafter.dtype)
-        parts["target feature ring"] = window * (ring_row + TAG_BYTES)
-        parts["drafter mirror"] = 0 if same else window * (mirror_row + TAG_BYTES)
-        parts["drafter context K/V"] = sum(caps) * (kv_row + TAG_BYTES)
-    block = block_size or (drafter.cfg.block_size if drafter is not None else 1)
+        slots = window + block  # a verify block's spare slots (features.FeatureRing)
+        parts["target feature ring"] = slots * (ring_row + TAG_BYTES)
+        # block formats also keep the per-channel storage scale and its inverse (features.storage_scale)
+        scales = 2 * width * 4 if row_format(feature_dtype).dtype is None else 0
+        parts["drafter mirror"] = 0 if same else slots * (mirror_row + TAG_BYTES) + scales
+        # layers of one capacity share a tag ring (drafter.DrafterContext)
+        parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
     parts["workspace"] = _workspace(cfg, item, max_ctx, min(prefill_chunk, max_ctx), block, width)
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), cuda_graphs)
     return MemoryPlan(max_ctx, window, feature_dtype, parts)

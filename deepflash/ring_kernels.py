@@ -88,20 +88,25 @@ def available() -> bool:
 
 
 def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
-          rows: torch.Tensor) -> None:
-    """Encode rows [n, width] and store them at slot = position % capacity, tags included."""
+          rows: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """Encode rows [n, width] (times `scale` [width], float32, if given) and store them at slot =
+    position % capacity, tags included."""
     n, width = rows.shape
-    _launch(_write, _shape("write", fmt), n, width, rows.contiguous(), positions, data, tags, data.shape[1],
-            data.shape[0], FMT=CODES[fmt.name], BLOCK_BYTES=fmt.block_bytes)
+    rows = rows.contiguous()
+    _launch(_write, _shape("write", fmt), n, width, rows, positions, data, tags, rows if scale is None else scale,
+            data.shape[1], data.shape[0], FMT=CODES[fmt.name], BLOCK_BYTES=fmt.block_bytes,
+            SCALED=scale is not None)
 
 
-def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored rows [n, row elements] -> values [n, width] in dtype."""
+def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32,
+           inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored rows [n, row elements] -> values [n, width] (times `inverse` [width], float32, if given)
+    in dtype."""
     width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
-    _launch(_decode, _shape("decode", fmt), data.shape[0], width, data, out, data.shape[1], FMT=CODES[fmt.name],
-            BLOCK_BYTES=fmt.block_bytes)
+    _launch(_decode, _shape("decode", fmt), data.shape[0], width, data, out, out if inverse is None else inverse,
+            data.shape[1], FMT=CODES[fmt.name], BLOCK_BYTES=fmt.block_bytes, SCALED=inverse is not None)
     return out
 
 
@@ -140,17 +145,26 @@ if triton is not None:
         return r, work % per_row, r < n
 
     @triton.jit
-    def _write(rows, positions, data, tags, row_elems, capacity, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr,
-               BLOCK_BYTES: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr):
+    def _write(rows, positions, data, tags, scale, row_elems, capacity, n, width, FMT: tl.constexpr,
+               GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr, ITEMS: tl.constexpr,
+               STAGES: tl.constexpr):
         # a constant trip count: Triton's interpreter (the CPU tests) cannot loop to a runtime bound
         for i in tl.range(0, ITEMS, num_stages=STAGES):
             r, chunk, exists = _item(n, width, ITEMS, GROUPS, i)
-            _write_item(rows, positions, data, tags, row_elems, capacity, width, r, chunk, exists, FMT, GROUPS,
-                        BLOCK_BYTES)
+            _write_item(rows, positions, data, tags, scale, row_elems, capacity, width, r, chunk, exists, FMT,
+                        GROUPS, BLOCK_BYTES, SCALED)
 
     @triton.jit
-    def _write_item(rows, positions, data, tags, row_elems, capacity, width, r, chunk, exists, FMT: tl.constexpr,
-                    GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    def _load_row(rows, scale, r, width, cols, mask, SCALED: tl.constexpr):
+        """Values of row r at cols, times their channels' scale if SCALED (in float32, as features.py)."""
+        x = tl.load(rows + r * width + cols, mask=mask, other=0.0)
+        if SCALED:
+            x = x.to(tl.float32) * tl.load(scale + cols, mask=mask, other=0.0)
+        return x
+
+    @triton.jit
+    def _write_item(rows, positions, data, tags, scale, row_elems, capacity, width, r, chunk, exists,
+                    FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr):
         pos = tl.load(positions + r, mask=exists, other=0)
         slot = pos % capacity
         tl.store(tags + slot, pos, mask=exists & (chunk == 0))
@@ -159,13 +173,13 @@ if triton is not None:
         inside = (cols < width) & exists
         out = data + slot * row_elems
         if FMT < 3:  # plain: a cast
-            x = tl.load(rows + r * width + cols, mask=inside, other=0.0)
+            x = _load_row(rows, scale, r, width, cols, inside, SCALED)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
             live = (group < width // 32) & exists
             block = group * BLOCK_BYTES  # even: the fp16 scale at a block's start is 2-byte aligned
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
-                x = tl.load(rows + r * width + cols, mask=inside, other=0.0).to(tl.float32)
+                x = _load_row(rows, scale, r, width, cols, inside, SCALED).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 v = x * inv[:, None]
@@ -175,8 +189,8 @@ if triton is not None:
                 _store_pairs(out + block + 2, q & 0xFF, GROUPS, 32, live)
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
                 half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
-                low = tl.load(rows + r * width + half, mask=live[:, None], other=0.0).to(tl.float32)
-                high = tl.load(rows + r * width + half + 16, mask=live[:, None], other=0.0).to(tl.float32)
+                low = _load_row(rows, scale, r, width, half, live[:, None], SCALED).to(tl.float32)
+                high = _load_row(rows, scale, r, width, half + 16, live[:, None], SCALED).to(tl.float32)
                 d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 # x / d lies in [-8, 8] (to a rounding), so x / d + 8.5 > 0: truncation is the floor
@@ -196,15 +210,15 @@ if triton is not None:
         tl.store(words[:, None] + tl.arange(0, BYTES // 2)[None, :], pairs, mask=live[:, None])
 
     @triton.jit
-    def _decode(data, out, row_elems, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-                ITEMS: tl.constexpr, STAGES: tl.constexpr):
+    def _decode(data, out, inverse, row_elems, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr,
+                BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr):
         for i in tl.range(0, ITEMS, num_stages=STAGES):
             r, chunk, exists = _item(n, width, ITEMS, GROUPS, i)
-            _decode_item(data, out, row_elems, width, r, chunk, exists, FMT, GROUPS, BLOCK_BYTES)
+            _decode_item(data, out, inverse, row_elems, width, r, chunk, exists, FMT, GROUPS, BLOCK_BYTES, SCALED)
 
     @triton.jit
-    def _decode_item(data, out, row_elems, width, r, chunk, exists, FMT: tl.constexpr, GROUPS: tl.constexpr,
-                     BLOCK_BYTES: tl.constexpr):
+    def _decode_item(data, out, inverse, row_elems, width, r, chunk, exists, FMT: tl.constexpr,
+                     GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr):
         group = chunk * GROUPS + tl.arange(0, GROUPS)
         cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
         inside = (cols < width) & exists
@@ -225,4 +239,6 @@ if triton is not None:
                 both = tl.join(nibbles & 0x0F, nibbles >> 4)  # [GROUPS, 16, 2]
                 q = tl.reshape(tl.permute(both, [0, 2, 1]), [GROUPS, 32]).to(tl.float32) - 8
             x = scale[:, None] * q
+        if SCALED:
+            x = x * tl.load(inverse + cols, mask=inside, other=0.0)
         tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)

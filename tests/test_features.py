@@ -10,7 +10,8 @@ import torch
 
 from deepflash.engine import Engine
 from deepflash.errors import UserError
-from deepflash.features import FeatureReadError, FeatureRing, FeatureStore, drafter_window
+from deepflash.memory import plan_memory
+from deepflash.features import FeatureReadError, FeatureRing, FeatureStore, drafter_window, storage_scale
 from deepflash.quant import FORMATS, row_format
 from deepflash.sampling import SamplingParams
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
@@ -139,6 +140,50 @@ def test_mirror_is_the_ring_when_bytes_would_be_identical():
     assert same.mirror is same.ring
     other = FeatureStore(16, 64, "q4_0", torch.float32, "cpu", "cpu")
     assert other.mirror is not other.ring and other.nbytes < 2 * same.nbytes
+
+
+def massive_features(n: int, width: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows like a residual stream's (a few channels ~150x the rest, near-constant over positions) and an
+    fc weight whose columns go as 1 / RMS of their channel, as training leaves it (trainer.py)."""
+    g = torch.Generator().manual_seed(3)
+    rms = torch.ones(width)
+    rms[[5, 70, 200]] = torch.tensor([600.0, 150.0, 300.0])
+    x = torch.randn(n, width, generator=g) * rms
+    x[:, [5, 70, 200]] = rms[[5, 70, 200]] * (1 + 0.05 * torch.randn(n, 3, generator=g))
+    return x, torch.randn(32, width, generator=g) / rms
+
+
+def test_storage_scale_is_powers_of_two_and_finite():
+    weight = torch.tensor([[1.0, 3.0, 0.25, 0.0, 1e6]]).repeat(4, 1)
+    assert storage_scale(weight).tolist() == [1.0, 4.0, 0.25, 2.0**-10, 2.0**10]
+
+
+@pytest.mark.parametrize("fmt,gain", [("q4_0", 2.0), ("q8_0", 2.0)])
+def test_scaled_block_storage_keeps_what_fc_reads(fmt, gain):
+    """Stored times storage_scale, a block format's error in fc's output falls by at least `gain` on
+    rows with massive channels, and every read is a row's own, within the format's bound per channel."""
+    x, weight = massive_features(12)
+    errors = {}
+    for scaled in (False, True):
+        ring = FeatureRing(16, x.shape[1], row_format(fmt), "cpu",
+                           channel_scale=storage_scale(weight) if scaled else None)
+        ring.write(torch.arange(12), x)
+        y = ring.read(0, 12)
+        errors[scaled] = ((y - x) @ weight.T).norm() / (x @ weight.T).norm()
+    assert errors[True] * gain < errors[False], errors
+    scale = storage_scale(weight)
+    f = row_format(fmt)
+    assert torch.equal(y, f.decode(f.encode(x * scale)) / scale)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_0"])
+def test_memory_plan_counts_the_feature_stores_bytes(fmt):
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(drafter_config(target.cfg, sliding=True, window=5), dtype=torch.float32)
+    engine = Engine(target, tiny_tokenizer(), drafter, feature_dtype=fmt, max_ctx=64)
+    parts = plan_memory(target, drafter, 64, feature_dtype=fmt).parts
+    assert parts["target feature ring"] + parts["drafter mirror"] == engine.steps.features.nbytes
+    assert parts["drafter context K/V"] == engine.steps.context.nbytes
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

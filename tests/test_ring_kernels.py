@@ -30,10 +30,13 @@ def awkward_rows(n: int, width: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("width", [2880, 96])
-def test_triton_rings_hold_the_same_bytes_as_the_torch_ones(fmt, width):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_triton_rings_hold_the_same_bytes_as_the_torch_ones(fmt, width, scaled):
     if fmt == "bf16" and not CUDA:
         pytest.skip("Triton's interpreter rounds float32 -> bfloat16 by truncation; the GPU rounds to nearest even")
-    torch_ring, triton_ring = (FeatureRing(6, width, FORMATS[fmt], DEVICE, slack=4, kernels=k)
+    # per-channel powers of two from 2^-3 to 2^3 (features.storage_scale)
+    scale = torch.exp2(torch.arange(width) % 7 - 3.0).to(DEVICE) if scaled else None
+    torch_ring, triton_ring = (FeatureRing(6, width, FORMATS[fmt], DEVICE, slack=4, kernels=k, channel_scale=scale)
                                for k in ("torch", "triton"))
     end = 0
     for n in [7, 1, 10, 3]:  # runs that wrap and one that overflows the ring (capacity 10)

@@ -38,7 +38,9 @@ def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kerne
     """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
     counting bytes read plus bytes written, like the copy bandwidth it is compared with."""
     fmt = FORMATS[fmt_name]
-    ring = FeatureRing(rows, width, fmt, device, kernels=kernels)
+    # block formats run with a per-channel storage scale, as the engine's mirror (features.storage_scale)
+    scale = torch.exp2(torch.arange(width, device=device) % 7 - 3.0) if fmt.dtype is None else None
+    ring = FeatureRing(rows, width, fmt, device, kernels=kernels, channel_scale=scale)
     data = torch.randn(rows, width, device=device)
     positions = torch.arange(rows, device=device)
     stored = rows * fmt.row_bytes(width)
