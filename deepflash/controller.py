@@ -21,12 +21,21 @@ with HumanEval's tokens-per-step histogram (t_spec = 2 t_plain, 128-token reques
 reaches 1.062x where `on` reaches 1.070x and the old rule 1.014x, and a never-matching drafter runs at
 0.992x of plain under both.
 
-Step costs grow with the context, so each request measures its own: its estimates start empty, plain
-steps measure t_plain once a verdict is due, and again every `remeasure` spec steps (replacing it). A
-step whose time includes other work is recorded without a time: one that ran while a CUDA graph was
-captured (a plain cost measured so was once tens of times too high and kept a losing drafter on for a
-whole run), and a plain step in flight while a spec step was launched (the launch's host work may
-delay its collect).
+Step costs grow with the context, and in steps: a step's graph attends over its KV bucket (a power of
+two, graphs.kv_bucket), whatever the position inside it. So the costs are kept per context region (the
+engine passes the KV bucket of a spec step at the current position) for the engine's life, across
+requests and failed verdicts: a request in a region measured before speculates and is judged from its
+first step, where each request used to open with plain steps that measured t_plain. Plain steps
+measure t_plain where a region has none once a verdict is due, and again every `remeasure` spec steps
+(replacing it: the first measurement may have been slow). A step whose time includes other work is
+recorded without a time: one that ran while a CUDA graph was captured (a plain cost measured so was
+once tens of times too high and kept a losing drafter on for a whole run), a spec step that first
+computed the drafter's K/V of the plain steps before it (switching work, ~0.4 of a plain step on an
+H200), and a plain step in flight while a spec step was launched (the launch's host work may delay its
+collect). Counted as a spec cost, the catch-up raised break-even right after every measurement and
+burst, and with HumanEval's histogram the shortfall then passed its tolerance 0.73 times per 128-token
+request (0.15 after these changes): simulated with t_spec = 2.05 t_plain, auto reached 0.885 of `on`
+before and 0.990 after (BENCHMARKS.md, fourteenth session).
 """
 
 from __future__ import annotations
@@ -40,15 +49,16 @@ class SpecController:
     margin: float = 0.05
     burst: int = 40  # plain tokens between probes
     alpha: float = 0.3  # EMA weight of the newest step
-    min_spec_steps: int = 2  # spec steps a request opens with before a plain step measures t_plain
+    min_spec_steps: int = 2  # spec steps a request opens with before a plain step measures a missing t_plain
     max_backoff: int = 8
-    remeasure: int = 64  # spec steps between plain steps that re-measure t_plain as the context grows
+    remeasure: int = 256  # spec steps between plain steps that re-measure t_plain (a slow first measurement)
     tolerance: float = 8.0  # tokens short of break-even (the shortfall) that turn speculation off
     success_steps: int = 4  # steps of a probe after failures that end the backoff if the shortfall is 0
     shortfall: float = 0.0
     unjudged: list[int] = field(default_factory=list)  # tokens committed by spec steps not yet in the shortfall
-    t_spec: float | None = None
-    t_plain: float | None = None
+    region: int = 0  # the context region (KV bucket) of the step being decided
+    spec_costs: dict[int, float] = field(default_factory=dict)  # seconds per step, by region
+    plain_costs: dict[int, float] = field(default_factory=dict)
     plain_left: int = 0  # plain steps of the current burst still to launch
     spec_seen: int = 0
     failed_probes: int = 0
@@ -61,16 +71,25 @@ class SpecController:
             raise ValueError(f"spec mode must be auto, on or off, got {self.mode!r}")
 
     def new_request(self) -> None:
-        """Acceptance is a property of the text and step costs grow with the context: each request starts
-        speculating with empty estimates. The probe backoff carries over, so a drafter that failed on the
-        last requests gets a long burst as soon as its opening probe fails again (a success resets it)."""
-        self.t_spec = self.t_plain = None
+        """Acceptance is a property of the text: each request starts speculating with no shortfall. The
+        step costs (per region) and the probe backoff carry over, so a drafter that failed on the last
+        requests gets a long burst as soon as its opening probe fails again (a success resets it)."""
         self.shortfall = 0.0
         self.unjudged.clear()
         # the last request's queued steps were dropped
-        self.plain_left = self.spec_seen = self.spec_in_flight = self.spec_since_plain = self.stale_spec = 0
+        self.plain_left = self.spec_seen = self.spec_in_flight = self.stale_spec = 0
 
-    def use_spec(self) -> bool:
+    @property
+    def t_spec(self) -> float | None:
+        return self.spec_costs.get(self.region)
+
+    @property
+    def t_plain(self) -> float | None:
+        return self.plain_costs.get(self.region)
+
+    def use_spec(self, region: int = 0) -> bool:
+        """region: the KV bucket a spec step at the current position would attend over."""
+        self.region = region
         spec = self._decide()
         self.spec_in_flight += spec
         self.spec_since_plain = self.spec_since_plain + 1 if spec else 0
@@ -84,10 +103,11 @@ class SpecController:
             return False
         if self.failed_probes and self.spec_in_flight and not self.spec_seen:
             return False  # a probe after failures opens with one step alone: plain steps until its verdict
-        # a request opens with spec steps, and measures t_plain after min_spec_steps of them; a probe after
-        # failures (also the opening one of a request) measures it first, so that one step can decide
+        # a request opens with spec steps, and measures a missing or stale t_plain after min_spec_steps of
+        # them; a probe after failures (also the opening one of a request) measures it first, so that one
+        # step can decide
         if (self.spec_seen >= self.min_spec_steps or self.failed_probes) and self._plain_cost_stale():
-            self.t_plain = None  # one plain step measures it afresh: an average would trail the context
+            self.plain_costs.pop(self.region, None)  # one plain step measures it afresh
             return False
         return True
 
@@ -97,8 +117,9 @@ class SpecController:
         steps takes engine.PIPELINE_DEPTH plain steps."""
         return self.t_plain is None or self.spec_since_plain >= self.remeasure
 
-    def record_spec(self, committed: int, seconds: float | None) -> None:
-        """seconds: the step's time, None where it includes one-off work."""
+    def record_spec(self, committed: int, seconds: float | None, region: int = 0) -> None:
+        """seconds: the step's time, None where it includes one-off work; region: the one it was
+        decided in."""
         self.spec_in_flight -= 1
         if self.mode != "auto":  # nothing to judge: the tokens would pile up in unjudged for the request
             return
@@ -106,12 +127,12 @@ class SpecController:
             self.stale_spec -= 1
             return
         self.unjudged.append(committed)
-        self.t_spec = self._ema(self.t_spec, seconds)
+        self._learn(self.spec_costs, region, seconds)
         self.spec_seen += 1
         self._judge()
 
-    def record_plain(self, seconds: float | None) -> None:
-        self.t_plain = self._ema(self.t_plain, seconds)
+    def record_plain(self, seconds: float | None, region: int = 0) -> None:
+        self._learn(self.plain_costs, region, seconds)
         self._judge()
 
     def _judge(self) -> None:
@@ -127,7 +148,6 @@ class SpecController:
             self.failed_probes += 1
             self.spec_seen = 0  # the next probe is judged on fresh steps
             self.stale_spec = self.spec_in_flight
-            self.t_spec = None
             self.shortfall = 0.0
         elif self.spec_seen >= self.success_steps and self.shortfall == 0:
             self.failed_probes = 0
@@ -144,7 +164,8 @@ class SpecController:
             self.shortfall = max(0.0, self.shortfall + break_even - committed)
         self.unjudged.clear()
 
-    def _ema(self, old: float | None, new: float | None) -> float | None:
-        if new is None:
-            return old
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+    def _learn(self, costs: dict[int, float], region: int, seconds: float | None) -> None:
+        """An exponential average of the region's step times; an untimed step teaches nothing."""
+        if seconds is not None:
+            old = costs.get(region)
+            costs[region] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds

@@ -100,7 +100,9 @@ class Launched:
     host: torch.Tensor  # this step's own host copy of StepState.result (several steps are in flight)
     ready: torch.cuda.Event | None = None  # None: the device ran the step inside its launch (the CPU)
     launch_s: float = 0.0
-    timed: bool = True  # False: one-off or other steps' host work ran during it, its time is not its cost
+    region: int = 0  # the context region the controller decided it in (SpecController.use_spec)
+    timed: bool = True  # False: one-off work (a capture, the drafter's catch-up) or other steps' host work
+    # ran during it, its time is not its cost
 
 
 class Engine:
@@ -274,9 +276,13 @@ class Engine:
         began = time.perf_counter()
         params = seq.params
         sampling = (params.temperature, params.top_k, params.top_p)
-        if self.drafter is not None and size >= 2 and self.controller.use_spec():
+        region = kv_bucket(processed + self.block_size, self.max_ctx)  # step costs are per KV bucket
+        switched = False
+        if self.drafter is not None and size >= 2 and self.controller.use_spec(region):
             kv_len = kv_bucket(processed + size, self.max_ctx)
-            self._catch_up(seq, inflight, processed)
+            # switching work, not a spec step's cost: counted as one it raised the break-even and turned
+            # paying drafters off (BENCHMARKS.md, fourteenth session)
+            switched = self._catch_up(seq, inflight, processed)
             draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
             timer.start("draft")
             # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
@@ -305,16 +311,19 @@ class Engine:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(kind, size, began, host, ready, time.perf_counter() - began, timed=not captured)
+        return Launched(kind, size, began, host, ready, time.perf_counter() - began, region,
+                        timed=not (captured or switched))
 
-    def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> None:
-        """Before drafting: give the drafter the context K/V of the positions plain steps committed.
-        With only plain steps in flight, `processed` is exact (each commits its one position); with a
-        speculative step in flight there is nothing to catch up, its verify appends its own block."""
+    def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> bool:
+        """Before drafting: give the drafter the context K/V of the positions plain steps committed
+        (True when there were any). With only plain steps in flight, `processed` is exact (each commits
+        its one position); with a speculative step in flight there is nothing to catch up, its verify
+        appends its own block."""
         if any(launched.kind == "spec" for launched in inflight) or seq.drafter_synced >= processed:
-            return
+            return False
         self.steps.catch_up(seq.drafter_synced, processed)
         seq.drafter_synced = processed
+        return True
 
     def _step_fn(self, name: str, size: int):
         if name in self.compiled and (name == "plain" or size == self.block_size):
@@ -335,10 +344,10 @@ class Engine:
         if launched.kind == "spec":
             seq.drafter_synced = seq.processed  # the verify appended every committed position's K/V
             spec.record(launched.size, len(committed) - 1)
-            self.controller.record_spec(len(committed), seconds)
+            self.controller.record_spec(len(committed), seconds, launched.region)
         elif spec is not None:
             spec.plain_steps += 1
-            self.controller.record_plain(seconds)
+            self.controller.record_plain(seconds, launched.region)
         return committed
 
     @staticmethod

@@ -10,20 +10,20 @@ from deepflash.engine import PIPELINE_DEPTH
 
 
 def drive(controller: SpecController, steps: int, accepted_per_spec: float | list[int], t_plain: float, t_spec: float,
-          queued: int = 1) -> list[bool]:
-    """Run `steps` decisions; spec steps commit `accepted_per_spec` tokens (a list: its values in turn) in
-    t_spec, plain steps take t_plain. queued > 1: that many decisions are made before the oldest one's
-    record, as the engine queues steps."""
+          queued: int = 1, region: int = 0) -> list[bool]:
+    """Run `steps` decisions in one context region; spec steps commit `accepted_per_spec` tokens (a list:
+    its values in turn) in t_spec, plain steps take t_plain. queued > 1: that many decisions are made
+    before the oldest one's record, as the engine queues steps."""
     committed = cycle(accepted_per_spec if isinstance(accepted_per_spec, list) else [accepted_per_spec])
     trace, pending = [], deque()
     while len(trace) < steps or pending:
         while len(pending) < queued and len(trace) < steps:
-            pending.append(controller.use_spec())
+            pending.append(controller.use_spec(region))
             trace.append(pending[-1])
         if pending.popleft():
-            controller.record_spec(next(committed), t_spec)
+            controller.record_spec(next(committed), t_spec, region)
         else:
-            controller.record_plain(t_plain)
+            controller.record_plain(t_plain, region)
     return trace
 
 
@@ -69,9 +69,9 @@ def test_backoff_carries_over_to_the_next_request():
     assert backoff >= 3
     c.new_request()
     trace = drive(c, 60, accepted_per_spec=1, t_plain=1.0, t_spec=1.6)
-    # each request opens with a probe: t_plain measured first, then judged step by step with the tolerance
-    # halved per failed probe (8 -> 1 token, 0.52 short per step), and its failure buys a long burst at once
-    assert not trace[0] and trace[1] and sum(trace) == 2 and c.plain_left > c.burst
+    # each request opens with a probe, judged step by step (t_plain is known for the region) with the
+    # tolerance halved per failed probe (8 -> 1 token, 0.52 short per step): its failure buys a long burst
+    assert trace[0] and trace[1] and sum(trace) == 2 and c.plain_left > c.burst
 
 
 def test_a_probe_after_failures_opens_with_one_spec_step_alone_even_with_steps_queued():
@@ -88,7 +88,7 @@ def test_a_probe_after_failures_opens_with_one_spec_step_alone_even_with_steps_q
 
 
 def test_a_spec_step_queued_before_a_failed_verdict_is_not_the_next_probe():
-    c = SpecController("auto", t_plain=1.0, tolerance=0.9)  # 0.52 tokens short per step: the second fails
+    c = SpecController("auto", plain_costs={0: 1.0}, tolerance=0.9)  # 0.52 tokens short per step: the second fails
     assert c.use_spec() and c.use_spec()  # two queued
     c.record_spec(1, 1.6)
     assert c.use_spec()  # a third queued before the verdict
@@ -123,15 +123,26 @@ def test_a_step_timed_during_one_off_work_does_not_set_the_costs():
     assert c.failed_probes == 1 and c.plain_left == c.burst  # 1 token per 1.6 plain steps' time: 1.04 short
 
 
-def test_each_request_measures_its_own_costs():
+def test_costs_are_kept_per_context_region():
     """Costs grow with the context: a plain cost measured on a long prompt must not judge a short one."""
     c = SpecController("auto", tolerance=1.0)
-    drive(c, 20, accepted_per_spec=2, t_plain=1.5, t_spec=2.0)  # a long prompt: 1.5x, speculating
+    drive(c, 20, accepted_per_spec=2, t_plain=1.5, t_spec=2.0, region=8192)  # a long prompt: 1.5x
     assert c.failed_probes == 0
     c.new_request()
-    assert c.t_plain is None and c.t_spec is None
-    trace = drive(c, 20, accepted_per_spec=2, t_plain=1.0, t_spec=2.4)  # a short one: 0.83x, 0.28 short a step
+    trace = drive(c, 20, accepted_per_spec=2, t_plain=1.0, t_spec=2.4, region=256)  # short: 0.83x, 0.28 short
     assert c.failed_probes == 1 and sum(trace[5:]) == 0
+    assert c.plain_costs == {8192: 1.5, 256: 1.0}
+
+
+def test_a_request_in_a_measured_region_opens_without_plain_steps():
+    """Each request used to open with plain steps that measured t_plain; a region's costs now carry
+    over, so only the first request in a region measures them."""
+    c = SpecController("auto")
+    assert not all(drive(c, 20, accepted_per_spec=3, t_plain=1.0, t_spec=2.0, region=256))
+    c.new_request()
+    assert all(drive(c, 20, accepted_per_spec=3, t_plain=1.0, t_spec=2.0, region=256))
+    c.new_request()
+    assert not all(drive(c, 20, accepted_per_spec=3, t_plain=1.0, t_spec=2.0, region=512))
 
 
 def test_plain_steps_run_until_one_comes_back_timed():

@@ -1,6 +1,8 @@
 """The engine's core contract: greedy speculative output == greedy plain output, token for token,
 for any drafter (random weights included), block size, prompt length and stop condition."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -151,7 +153,7 @@ def test_steps_delayed_by_a_graph_capture_are_recorded_without_a_time(monkeypatc
     for kind in ("spec", "plain"):
         record = getattr(engine.controller, f"record_{kind}")
         monkeypatch.setattr(engine.controller, f"record_{kind}",
-                            lambda *a, kind=kind, record=record: (recorded.append((kind, a[-1])), record(*a)))
+                            lambda *a, kind=kind, record=record: (recorded.append((kind, a[-2])), record(*a)))
     ids = prompt(10)
     params = SamplingParams(max_new_tokens=40)
     assert engine.complete(ids, params).token_ids == plain(ids, params).token_ids
@@ -163,6 +165,25 @@ def test_steps_delayed_by_a_graph_capture_are_recorded_without_a_time(monkeypatc
     assert recorded[first_plain][1] is None
 
 
+def test_a_spec_step_that_catches_the_drafter_up_is_recorded_without_a_time(monkeypatch):
+    """Its time includes the drafter's K/V of the plain steps before it: switching work, which counted as
+    a spec step's cost turned paying drafters off (controller.py). Other spec steps keep their time."""
+    engine = Engine(TARGET, TOKENIZER, tiny_drafter(drafter_config(TARGET.cfg)), spec="auto", block_size=8)
+    pattern = itertools.cycle([True, False, False, True, True])
+    monkeypatch.setattr(engine.controller, "use_spec", lambda region: next(pattern))
+    recorded = []
+    monkeypatch.setattr(engine.controller, "record_spec",
+                        lambda committed, seconds, region: recorded.append(("spec", seconds)))
+    monkeypatch.setattr(engine.controller, "record_plain", lambda seconds, region: recorded.append(("plain", seconds)))
+    engine.complete(prompt(10), SamplingParams(max_new_tokens=40))
+    after = {"plain": [], "spec": []}
+    for (before, _), (kind, seconds) in zip(recorded, recorded[1:]):
+        if kind == "spec":
+            after[before].append(seconds)
+    assert after["plain"] and all(seconds is None for seconds in after["plain"])
+    assert after["spec"] and all(seconds is not None for seconds in after["spec"])
+
+
 @pytest.mark.parametrize("cap", [None, 6])
 def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(monkeypatch, cap):
     """Plain steps leave the drafter's context K/V to a catch-up when drafting resumes: before every
@@ -171,7 +192,7 @@ def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(mon
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=4))
     engine = Engine(TARGET, TOKENIZER, drafter, spec="auto", feat_ring_cap=cap)
     pattern = iter([True, False, False, False, True, True, False, False] * 20)
-    monkeypatch.setattr(engine.controller, "use_spec", lambda: next(pattern))
+    monkeypatch.setattr(engine.controller, "use_spec", lambda region: next(pattern))
     steps, draft, checked = engine.steps, engine.steps.draft, []
 
     def draft_after_checking(size, span):
