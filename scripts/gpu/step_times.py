@@ -28,7 +28,7 @@ def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams)
         record = getattr(engine.controller, f"record_{kind}")
 
         def spy(*args, kind=kind, record=record):
-            recorded[kind].append(args[-1])
+            recorded[kind].append(args[-2])  # (..., seconds, region)
             record(*args)
         setattr(engine.controller, f"record_{kind}", spy)
     for ids in prompts:  # the first pass captures the graphs
