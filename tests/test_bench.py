@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepflash.bench.accept import copied_from_beyond, measure
+from deepflash.bench.accept import copied_from_beyond, measure, paired_change
 from deepflash.bench.rings import parse_shape
 from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
 from deepflash.ring_kernels import Shape
@@ -42,7 +42,19 @@ def test_accept_counts_only_its_timed_pass():
     assert calls == prompts + prompts  # every prompt warmed up, then timed
     assert out["tokens"] == sum(r.generated_tokens for r in once)
     assert out["spec_steps"] == sum(r.spec.steps for r in once)
+    assert out["per_prompt_steps_committed"] == [[r.spec.steps, r.spec.committed] for r in once]
     assert outputs == [r.token_ids for r in once]
+
+
+def test_paired_change_of_acceptance_with_its_interval():
+    """AL of one setting against another on the same prompts, with a bootstrap interval over prompts:
+    a uniform change has no spread, opposite changes on different prompts straddle zero."""
+    base = {"per_prompt_steps_committed": [[10, 20], [10, 30], [20, 40]]}
+    assert paired_change(base, base) == {"relative": 0.0, "ci95": [0.0, 0.0]}
+    better = {"per_prompt_steps_committed": [[10, 22], [10, 33], [20, 44]]}
+    assert paired_change(base, better) == {"relative": 0.1, "ci95": [0.1, 0.1]}
+    mixed = paired_change(base, {"per_prompt_steps_committed": [[10, 26], [10, 24], [20, 40]]})
+    assert mixed["relative"] == 0.0 and mixed["ci95"][0] < 0 < mixed["ci95"][1]
 
 
 def test_speed_splits_each_request_into_prefill_decode_and_the_rest():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import time
 
+import torch
+
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import UserError
@@ -29,7 +31,7 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
     on five of its prompts, BENCHMARKS.md, tenth session; without it tok/s includes the first uses of
     graphs and kernels). Returns the speculative statistics summed over the timed pass, and its outputs."""
     total = SpecStats(engine.block_size) if engine.drafter is not None else None
-    tokens, wall, outputs = 0, 0.0, []
+    tokens, wall, outputs, per_prompt = 0, 0.0, [], []
     for timed in (False, True) if warm_up else (True,):
         for i, ids in enumerate(prompts):
             p = SamplingParams(temperature=params.temperature, max_new_tokens=params.max_new_tokens,
@@ -42,10 +44,36 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
                 outputs.append(r.token_ids)
                 if total is not None:
                     _add(total, r.spec)
+                    per_prompt.append([r.spec.steps, r.spec.committed])
     out = {"prompts": len(prompts), "tokens": tokens, "tok_per_s": tokens / wall}
     if total is not None:
         out.update(total.to_json())
+        out["per_prompt_steps_committed"] = per_prompt
     return out, outputs
+
+
+def paired_change(base: dict, other: dict, resamples: int = 2000) -> dict:
+    """AL of `other` relative to `base` on the same prompts (measure()'s rows), with a 95% bootstrap
+    interval over prompts: greedy outputs are the target's in both, so the prompts pair up, and with a
+    few prompts a difference of a few percent can be noise (the interval says how much)."""
+    a = torch.tensor(base["per_prompt_steps_committed"], dtype=torch.float64)
+    b = torch.tensor(other["per_prompt_steps_committed"], dtype=torch.float64)
+    picks = torch.randint(0, len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(0))
+
+    def al(rows, index=slice(None)):
+        return rows[index, ..., 1].sum(-1) / rows[index, ..., 0].sum(-1)
+
+    ratios = al(b, picks) / al(a, picks) - 1
+    low, high = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"relative": round(float(al(b) / al(a) - 1), 4), "ci95": [round(low, 4), round(high, 4)]}
+
+
+def _change(row: dict) -> str:
+    vs = row.get("vs")
+    if vs is None:
+        return f"{row['acceptance_length']:.2f}"
+    low, high = vs["ci95"]
+    return f"{row['acceptance_length']:.2f} ({vs['relative']:+.1%} [{low:+.1%}, {high:+.1%}])"
 
 
 def copied_from_beyond(prompts: list[list[int]], outputs: list[list[int]], window: int, n: int = 6) -> float:
@@ -65,7 +93,7 @@ def copied_from_beyond(prompts: list[list[int]], outputs: list[list[int]], windo
 
 def _with_reach(row: dict) -> str:
     reach = row.get("copied_from_beyond_window")
-    return f"{row['acceptance_length']:.2f}" + ("" if reach is None else f" ({reach:.1%})")
+    return _change(row) + ("" if reach is None else f", {reach:.1%} beyond")
 
 
 def _add(total: SpecStats, s: SpecStats) -> None:
@@ -118,16 +146,20 @@ def run(args) -> dict:
             record["depth"][name][d] = stats | {"window": engine.window}
             if cap is not None:  # greedy: every window's outputs are the target's own
                 record["depth"][name][d]["copied_from_beyond_window"] = copied_from_beyond(prompts[d], outputs, cap)
-    table("AL by depth and feature window (in brackets: share of the target's 6-grams copied from beyond the "
-          "window)", ["depth"] + list(windows),
+                record["depth"][name][d]["vs"] = paired_change(record["depth"]["full"][d], stats)
+    table("AL by depth and feature window (a cap: change against the full window [95% interval over prompts], "
+          "share of the target's 6-grams copied from beyond the cap)", ["depth"] + list(windows),
           [[d] + [_with_reach(record["depth"][w][d]) for w in windows] for d in depths])
 
     record["dtype"] = {}
     for fmt in ("f32", "bf16", "q8_0", "q4_0"):
         engine = Engine(target, tok, drafter, spec="on", feature_dtype=fmt)
         record["dtype"][fmt] = {d: measure(engine, prompts[d], params, warm_up=False)[0] for d in depths}
-    table("AL by feature dtype", ["depth", "f32", "bf16", "q8_0", "q4_0"],
-          [[d] + [record["dtype"][f][d]["acceptance_length"] for f in record["dtype"]] for d in depths])
+        if fmt != "f32":
+            for d in depths:
+                record["dtype"][fmt][d]["vs"] = paired_change(record["dtype"]["f32"][d], record["dtype"][fmt][d])
+    table("AL by feature dtype (change against f32 [95% interval over prompts])", ["depth", "f32", "bf16", "q8_0",
+          "q4_0"], [[d] + [_change(record["dtype"][f][d]) for f in record["dtype"]] for d in depths])
     if args.plot:
         plot(record, args.plot)
     return finish(record, args.out)
