@@ -34,12 +34,13 @@ def _time(device, fn, repeats: int) -> float:
     return (time.perf_counter() - began) / repeats
 
 
-def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kernels: str) -> dict:
+def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kernels: str, scaled: bool = False
+               ) -> dict:
     """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
-    counting bytes read plus bytes written, like the copy bandwidth it is compared with."""
+    counting bytes read plus bytes written, like the copy bandwidth it is compared with. scaled: with a
+    per-channel storage scale, as the engine's mirror runs the block formats (features.storage_scale)."""
     fmt = FORMATS[fmt_name]
-    # block formats run with a per-channel storage scale, as the engine's mirror (features.storage_scale)
-    scale = torch.exp2(torch.arange(width, device=device) % 7 - 3.0) if fmt.dtype is None else None
+    scale = torch.exp2(torch.arange(width, device=device) % 7 - 3.0) if scaled else None
     ring = FeatureRing(rows, width, fmt, device, kernels=kernels, channel_scale=scale)
     data = torch.randn(rows, width, device=device)
     positions = torch.arange(rows, device=device)
@@ -60,8 +61,8 @@ def parse_shape(text: str) -> ring_kernels.Shape:
     return ring_kernels.Shape(*map(int, parts))
 
 
-def measure(device, bandwidth: float, fmt: str, args, kernels: str) -> dict:
-    r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels)
+def measure(device, bandwidth: float, fmt: str, args, kernels: str, scaled: bool = False) -> dict:
+    r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels, scaled)
     r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
     r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth if r["dequant_gb_s"] else None
     return r
@@ -77,6 +78,8 @@ def run(args) -> dict:
         names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
         for fmt in names:
             results[f"{fmt} {kernels}"] = measure(device, bandwidth, fmt, args, kernels)
+            if FORMATS[fmt].dtype is None:  # what the engine's mirror runs for the block formats
+                results[f"{fmt} {kernels} scaled"] = measure(device, bandwidth, fmt, args, kernels, scaled=True)
     for shape in shapes:
         with ring_kernels.shape_override(shape):
             for fmt in FORMATS:
