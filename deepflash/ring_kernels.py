@@ -6,7 +6,9 @@ one row: it loads them, converts or quantizes them (per-block scale, rounding an
 as quant.py, in float32 with IEEE division and no fused multiply-add, so the bytes are the same), and
 stores them at slot = position % capacity, plus the slot's position tag. Decoding is the inverse, for a
 contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
-nibbles), so it needs no register shuffle.
+nibbles), so it needs no register shuffle. With SCALED, a write multiplies the rows by a per-channel
+scale as it loads them and a decode multiplies by its inverse (features.storage_scale); this costs a
+load of the scale per value (`bench rings` times both).
 
 A block format's write was bound by instructions, not memory (a q8_0 block took ~37 warp instructions
 where an f32 one takes ~10; 0.57 / 0.60 of the copy bandwidth, BENCHMARKS.md, ninth session). So it
