@@ -32,7 +32,8 @@ class StepState:
         self.result = torch.zeros(block_size + 1, **long)  # [accepted drafts, committed tokens...]
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.prompt, self.start, self.last, self.seed, self.drafts, self.result]
+        """What the steps write (a capture's warm-up puts them back); the prompt and the seed are only read."""
+        return [self.start, self.last, self.drafts, self.result]
 
 
 class Steps:
