@@ -117,4 +117,6 @@ stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed
   ${SPEED_SYSTEMS:+--systems "$SPEED_SYSTEMS"}
 [ "${MEMORY:-0}" = 1 ] && stage memory deepflash bench memory --device $DEVICE --out $R/memory.json
 [ "$MBU" = 1 ] && stage mbu deepflash bench speed --device $DEVICE --part mbu --out $R/speed-mbu.json
+# scripts/gpu/extra.sh, if a keep-alive run carried one, runs last (e.g. a kernel made while the chain trained)
+[ -f scripts/gpu/extra.sh ] && stage extra bash scripts/gpu/extra.sh "$R"
 echo "CHAIN_DONE"
