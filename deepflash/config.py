@@ -309,7 +309,6 @@ class EngineConfig:
     feat_ring_cap: int | None = None
     trained_ctx: int | None = None
     spec: str = "auto"
-    compile: bool = False  # torch.compile the decode steps (fewer, fused kernels; minutes of compiling)
     reserve_mb: int = 1024  # device memory --max-ctx auto leaves free
     ring_kernels: str = "auto"  # feature-ring encode/decode: auto, torch, compile, triton (features.py)
     target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels

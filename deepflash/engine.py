@@ -109,10 +109,8 @@ class Engine:
     def __init__(self, target: TargetModel, tokenizer: Tokenizer, drafter: DFlashDrafter | None = None, *,
                  max_ctx: int | None = None, block_size: int | None = None, feature_dtype: str = "f32",
                  feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
-                 prefill_chunk: int = 1024, cuda_graphs: bool = True, compile: bool = False,
+                 prefill_chunk: int = 1024, cuda_graphs: bool = True,
                  ring_kernels: str = "auto", target_kernels: str = "auto"):
-        if compile and target_kernels == "auto":  # --compile was only ever measured on torch's kernels
-            target_kernels = "torch"
         target.use_kernels(target_kernels)  # checks the choice; set again per request (generate)
         self.target_kernels = target_kernels
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -137,7 +135,7 @@ class Engine:
             width = len(drafter.cfg.target_layer_ids) * cfg.hidden_size
             features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device, drafter.device,
                                     slack=self.block_size,
-                                    kernels=pick_ring_kernels(ring_kernels, self.device, compile),
+                                    kernels=pick_ring_kernels(ring_kernels, self.device),
                                     channel_scale=storage_scale(drafter.fc.weight))
             context = DrafterContext(drafter, self.window, slack=self.block_size)
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
@@ -147,10 +145,6 @@ class Engine:
             drafter.rotary.tabulate(cfg.max_position_embeddings, drafter.dtype)
         self.state = StepState(self.device, self.block_size, self.max_ctx)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
-        # compiled variants serve the common shapes (full blocks); a request's last, shorter blocks run
-        # uncompiled rather than triggering a recompile per size
-        self.compiled = {name: torch.compile(getattr(self.steps, name)) for name in ("plain", "draft", "verify")
-                         } if compile else {}
         self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=cuda_graphs, cache=self.cache)
         pinned = self.device.type == "cuda"
         self.host_results = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
@@ -283,7 +277,7 @@ class Engine:
             # switching work, not a spec step's cost: counted as one it raised the break-even and turned
             # paying drafters off (BENCHMARKS.md, fourteenth session)
             switched = self._catch_up(seq, inflight, processed)
-            draft, verify = self._step_fn("draft", size), self._step_fn("verify", size)
+            draft, verify = self.steps.draft, self.steps.verify
             timer.start("draft")
             # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
             # that many slots (a graph per bucket, as the verify)
@@ -295,7 +289,7 @@ class Engine:
             kind = "spec"
         else:
             kv_len = kv_bucket(processed + 1, self.max_ctx)
-            plain = self._step_fn("plain", 1)
+            plain = self.steps.plain
             captured = self.graphs.run(("plain", kv_len) + sampling, lambda: plain(kv_len, params))
             kind, size = "plain", 1
         for queued in inflight:
@@ -324,11 +318,6 @@ class Engine:
         self.steps.catch_up(seq.drafter_synced, processed)
         seq.drafter_synced = processed
         return True
-
-    def _step_fn(self, name: str, size: int):
-        if name in self.compiled and (name == "plain" or size == self.block_size):
-            return self.compiled[name]
-        return getattr(self.steps, name)
 
     def _collect(self, seq: Sequence, launched: Launched, spec: SpecStats | None) -> list[int]:
         committed = self._read_result(launched)

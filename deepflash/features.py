@@ -165,16 +165,16 @@ def storage_scale(fc_weight: torch.Tensor) -> torch.Tensor:
 RING_KERNELS = ("auto", "torch", "compile", "triton")
 
 
-def pick_ring_kernels(kind: str, device: torch.device | str, compile: bool) -> str:
-    """auto: Triton on CUDA (one pass each way; BENCHMARKS.md), else the compiled torch forms under
-    --compile, else eager torch. Any other kind is taken as asked (store_and_decode checks it)."""
+def pick_ring_kernels(kind: str, device: torch.device | str) -> str:
+    """auto: Triton on CUDA (one pass each way; BENCHMARKS.md), else eager torch. Any other kind is taken
+    as asked (store_and_decode checks it)."""
     if kind != "auto":
         return kind
     from . import ring_kernels as triton_kernels
 
     if torch.device(device).type == "cuda" and triton_kernels.available():
         return "triton"
-    return "compile" if compile else "torch"
+    return "torch"
 
 
 def store_and_decode(kind: str, fmt: RowFormat):

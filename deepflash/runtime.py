@@ -83,7 +83,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     max_ctx = min(max_ctx or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     engine = Engine(target, tokenizer, drafter, max_ctx=max_ctx, block_size=cfg.block_size,
                     feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
-                    trained_ctx=cfg.trained_ctx, spec=cfg.spec, compile=cfg.compile,
+                    trained_ctx=cfg.trained_ctx, spec=cfg.spec,
                     ring_kernels=cfg.ring_kernels, target_kernels=cfg.target_kernels)
     plan = plan_memory(target, drafter, max_ctx, **plan_args)
     name = cfg.model or EMBEDDED_NAME
@@ -125,9 +125,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--feat-ring-cap", type=int, help="lower the feature window (memory valve)")
     g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length")
     g.add_argument("--spec", default="auto", choices=["auto", "on", "off"], help="speculation policy")
-    g.add_argument("--compile", action="store_true", help="torch.compile the decode steps (slow first call)")
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
-                   help="feature-ring kernels (auto: triton on CUDA, else torch; compiled with --compile)")
+                   help="feature-ring kernels (auto: triton on CUDA, else torch)")
     g.add_argument("--target-kernels", default="auto", choices=list(TARGET_KERNELS),
                    help="triton: fused q/k norm + rope + cache write, decode and verify attention, residual add + "
                         "norm and SwiGLU in Triton (llama-family targets); auto: triton on CUDA, else torch")
@@ -146,5 +145,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, draft=args.draft, no_draft=args.no_draft, block_size=args.block_size,
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=args.feat_ring_cap,
-                        trained_ctx=args.trained_ctx, spec=args.spec, compile=args.compile,
+                        trained_ctx=args.trained_ctx, spec=args.spec,
                         ring_kernels=args.ring_kernels, target_kernels=args.target_kernels)

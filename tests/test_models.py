@@ -209,12 +209,3 @@ def test_auto_target_kernels_pick_torch_off_cuda_and_refuse_unknown_kinds():
         target.use_kernels("cuda")
 
 
-def test_compiled_engines_keep_torch_kernels_under_auto():
-    from helpers import llama_config, tiny_tokenizer
-
-    from deepflash.engine import Engine
-    from deepflash.models import random_model
-
-    target = random_model(llama_config(), "cpu", torch.float32)
-    assert Engine(target, tiny_tokenizer(), compile=True).target_kernels == "torch"
-    assert Engine(target, tiny_tokenizer()).target_kernels == "auto"

@@ -102,8 +102,8 @@ def register(sub) -> None:
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--kernels", default="torch",
-                   help="comma list of ring kernels to time: torch (eager), compile (torch.compile, the engine's "
-                        "--compile), triton (hand-written, one pass each way)")
+                   help="comma list of ring kernels to time: torch (eager), compile (torch.compile), triton "
+                        "(hand-written, one pass each way)")
     p.add_argument("--triton-shapes",
                    help="comma list of GROUPSxWARPS[xITEMSxSTAGES] (e.g. 16x1,32x4,16x1x8x3) to time the Triton "
                         "kernels with, every format, besides their defaults (ring_kernels.SHAPES): blocks per work "

@@ -146,8 +146,6 @@ def run(args) -> dict:
         "deepflash plain" + TORCH_KERNELS: lambda: Engine(target, tok, max_ctx=ctx, target_kernels="torch"),
         "deepflash dflash (spec auto)" + TORCH_KERNELS: lambda: Engine(
             target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="torch"),
-        "deepflash plain compiled": lambda: Engine(target, tok, max_ctx=ctx, compile=True),
-        "deepflash dflash compiled": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on", compile=True),
     }
     transformers_runs = {
         "transformers generate": {},
@@ -156,7 +154,7 @@ def run(args) -> dict:
     }
     wanted = {name.strip() for name in args.systems.split(",")} if args.systems else \
         {name for name in [*engines, *transformers_runs]
-         if "compiled" not in name and (TORCH_KERNELS not in name or device.type == "cuda")}
+         if TORCH_KERNELS not in name or device.type == "cuda"}
     unknown = wanted - set(engines) - set(transformers_runs)
     if unknown:
         raise UserError(f"--systems: unknown {sorted(unknown)}; choose from {[*engines, *transformers_runs]}")
@@ -225,9 +223,8 @@ def register(sub) -> None:
     p.add_argument("--prompts", type=int, default=20, help="HumanEval prompts (plus one long code-edit prompt)")
     p.add_argument("--long-depth", type=int, default=6000)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--systems", help="comma list of the systems' names as the table shows them (default: all "
-                                     "but the compiled ones, "
-                                     "whose first call compiles for minutes); our plain decode always runs")
+    p.add_argument("--systems", help="comma list of the systems' names as the table shows them (default: all); "
+                                     "our plain decode always runs")
     p.add_argument("--part", default="all", choices=["all", "engines", "mbu"],
                    help="engines: the embedded pair and transformers; mbu: the Qwen3-8B-shaped model only")
     p.add_argument("--out", help="JSON file")

@@ -4,7 +4,6 @@ SmolLM2-135M and Qwen3-8B. Ends with one JSON line."""
 
 import argparse
 import json
-import time
 from collections import defaultdict
 
 import torch
@@ -145,7 +144,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd steps (SmolLM2 shape)")
     ap.add_argument("--spec-only", action="store_true",
                     help="only the speculative step with the shipped drafter (SmolLM2 shape, Triton kernels); "
                          "with --prefill, both")
@@ -205,17 +203,6 @@ def main():
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.out:
         open(args.out, "w").write(json.dumps(record, indent=2))
-    # last: a slow or failing compile must not cost the figures above
-    if args.compile and not (args.spec_only or args.prefill):
-        compiled = random_engine(SMOLLM2, args.device, compile=True)
-        began = time.perf_counter()
-        compiled.complete(prompt, SamplingParams(max_new_tokens=8))
-        record["smollm2-shaped"]["compile_s"] = time.perf_counter() - began
-        record["smollm2-shaped"]["compiled_graphs_tok_per_s"] = decode_rate(compiled, prompt, 256)
-        print(f"== compiled: {record['smollm2-shaped']['compiled_graphs_tok_per_s']:.0f} tok/s "
-              f"after {record['smollm2-shaped']['compile_s']:.0f} s of compiling")
-        if args.out:
-            open(args.out, "w").write(json.dumps(record, indent=2))
     print(json.dumps(record))
 
 
