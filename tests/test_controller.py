@@ -46,6 +46,18 @@ def test_a_paying_drafter_whose_steps_scatter_keeps_speculating():
     assert c.failed_probes == 0 and sum(trace) >= 300 - 1 - 300 // c.remeasure
 
 
+def test_the_tolerance_grows_with_the_scatter_of_a_drafters_steps():
+    """At depth a drafter commits long runs now and then and one token in a third of its steps: here 3.4
+    tokens a step on average where 2.4 break even, with runs of seven one-token steps (9.6 tokens
+    short). A fixed tolerance of 8 turns it off; 4 standard deviations of its steps (4.9) do not."""
+    steps = [16, 8, 1, 1, 1, 1, 1, 1, 1]
+    fixed, scaled = SpecController("auto", spread=0.0), SpecController("auto")
+    for c in (fixed, scaled):
+        drive(c, 300, accepted_per_spec=steps, t_plain=1.0, t_spec=2.5)
+    assert fixed.failed_probes >= 1 and scaled.failed_probes == 0
+    assert scaled.committed_mean == pytest.approx(31 / 9, abs=0.1)
+
+
 def test_always_matching_drafter_keeps_speculating():
     c = SpecController("auto")
     trace = drive(c, 200, accepted_per_spec=8, t_plain=1.0, t_spec=1.6)
