@@ -270,13 +270,49 @@ def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch
 
 
 # --- checkpoints (z-lab format) ---------------------------------------------------------------------------
-def save_drafter(drafter: DFlashDrafter, folder: Path | str, dtype: torch.dtype = torch.bfloat16) -> Path:
+# quantization_config.quant_method of a drafter whose matrices are stored as int8 codes, with one float32
+# scale per output row beside each (`<name>_scale`); its vectors (norms) keep the file's dtype
+INT8_ROWS = "int8-rows"
+STORAGES = ("bf16", "int8")
+
+
+def save_drafter(drafter: DFlashDrafter, folder: Path | str, dtype: torch.dtype = torch.bfloat16,
+                 storage: str = "bf16") -> Path:
+    """The z-lab format. storage int8: the matrices as int8 rows (half the bytes; the embedded drafter
+    ships so, BENCHMARKS.md), loaded back into `dtype` by load_drafter; other readers of the z-lab
+    format expect bf16 / f32 tensors."""
+    if storage not in STORAGES:
+        raise UserError(f"drafter storage must be one of {', '.join(STORAGES)}, got {storage!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    config = drafter.cfg.to_hf() | {"torch_dtype": str(dtype)[6:]}
+    if storage == "int8":
+        state = int8_rows(state)
+        config["quantization_config"] = {"quant_method": INT8_ROWS}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(drafter.cfg.to_hf() | {"torch_dtype": str(dtype)[6:]}, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def int8_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each matrix as symmetric int8 codes with a float32 scale per row (its largest magnitude / 127):
+    a relative error of about 1% per matrix, against bf16's 0.4%."""
+    out = {}
+    for name, w in state.items():
+        if w.dim() != 2:
+            out[name] = w
+            continue
+        scale = (w.float().abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        out[name] = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        out[name + "_scale"] = scale
+    return out
+
+
+def from_int8_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    scales = {name[: -len("_scale")]: state[name] for name in state if name.endswith("_scale")}
+    return {name: w.float() * scales[name][:, None] if name in scales else w
+            for name, w in state.items() if not name.endswith("_scale")}
 
 
 def resolve_drafter(spec: str) -> Path:
@@ -298,10 +334,20 @@ def load_drafter(spec: str | Path, device="cpu", dtype=torch.float32) -> DFlashD
     from .weights import safetensors_files
 
     folder = resolve_drafter(str(spec))
-    cfg = DrafterConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    raw = json.loads((folder / "config.json").read_text())
+    cfg = DrafterConfig.from_hf(raw)
     state = {}
     for file in safetensors_files(folder):
         state.update(load_file(str(file)))
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method == INT8_ROWS:
+        state = from_int8_rows(state)
+    elif method is not None:
+        raise UserError(f"drafter {folder}: quantization {method!r} is not supported (only {INT8_ROWS!r})")
+    codes = sorted(name for name, w in state.items() if not w.is_floating_point())
+    if codes:
+        raise UserError(f"drafter {folder}: integer tensors without scales ({', '.join(codes[:3])}): "
+                        f"its config.json needs quantization_config {{\"quant_method\": \"{INT8_ROWS}\"}}")
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg).to(dtype)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}

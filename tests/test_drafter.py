@@ -167,6 +167,40 @@ def test_save_load_round_trip(tmp_path):
     assert raw["architectures"] == ["DFlashDraftModel"] and "trained_context_length" in raw["dflash_config"]
 
 
+def test_int8_storage_round_trip(tmp_path):
+    """Matrices come back within half a step of their row's int8 grid; vectors exactly; half the bytes of
+    bf16 (plus a float32 scale per row)."""
+    drafter = tiny_drafter(drafter_config(tiny_target().cfg), dtype=torch.float32)
+    save_drafter(drafter, tmp_path / "int8", dtype=torch.float32, storage="int8")
+    save_drafter(drafter, tmp_path / "bf16", dtype=torch.bfloat16)
+    loaded = load_drafter(tmp_path / "int8")
+    for (name, want), (_, got) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        if want.dim() == 2:
+            step = want.abs().amax(1, keepdim=True) / 127
+            assert ((got - want).abs() <= step / 2 + 1e-7).all(), name
+        else:
+            assert torch.equal(got, want), name
+    raw = json.loads((tmp_path / "int8" / "config.json").read_text())
+    assert raw["quantization_config"] == {"quant_method": "int8-rows"}
+    sizes = [(tmp_path / kind / "model.safetensors").stat().st_size for kind in ("int8", "bf16")]
+    assert sizes[0] < 0.65 * sizes[1]
+
+
+def test_unknown_weight_storage_is_refused(tmp_path):
+    drafter = tiny_drafter(drafter_config(tiny_target().cfg), dtype=torch.float32)
+    with pytest.raises(UserError, match="storage must be one of"):
+        save_drafter(drafter, tmp_path, storage="int4")
+    save_drafter(drafter, tmp_path, storage="int8")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(UserError, match="'gptq' is not supported"):
+        load_drafter(tmp_path)
+    del raw["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="integer tensors without scales"):
+        load_drafter(tmp_path)
+
+
 def test_hand_written_reference_checkpoint_loads(tmp_path):
     """A checkpoint made from the REFERENCE format alone (names, config fields, unknown extras)."""
     h, inter, heads, kv, d, layers = 64, 80, 4, 2, 16, 2

@@ -453,14 +453,16 @@ def test_distillation_teachers_predict_the_labels_of_greedy_data(tmp_path):
 
 
 def test_distillation_trains_a_working_drafter(dataset, tmp_path):
+    """Also exported as int8 rows (--storage int8), which keeps the greedy contract like any drafter."""
     target, tok, data, _ = dataset
     tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, anchors=16,
                      steps=30, lr=3e-3, batch_tokens=400, eval_every=1000, ckpt_every=1000, eval_fraction=0.25,
-                     attention="sdpa", mask_token_id=95, distill=True)
+                     attention="sdpa", mask_token_id=95, distill=True, storage="int8")
     trainer = Trainer(tc, target, tok, torch.device("cpu"))
     first = trainer.evaluate()["eval_loss"]
     folder = trainer.run()
     assert trainer.progress.history[-1]["eval_loss"] < first - 0.1
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "int8-rows"
     prompt, params = [5, 9, 22, 31], SamplingParams(max_new_tokens=12)
     spec = Engine(target, tok, load_drafter(folder), spec="on").complete(prompt, params)
     assert spec.token_ids == Engine(target, tok).complete(prompt, params).token_ids

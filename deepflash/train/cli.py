@@ -78,11 +78,15 @@ def register(sub) -> None:
     train.add_argument("--norm-lr-scale", type=float, default=1.0,
                        help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
                             "end up, and AdamW moves them by about lr per step)")
+    train.add_argument("--storage", default="bf16", choices=["bf16", "int8"],
+                       help="the exported drafter's matrices: bf16 (the z-lab format), or int8 codes with a "
+                            "scale per row, half the bytes (deepflash reads both)")
     train.set_defaults(func=cmd_train)
 
     export = steps.add_parser("export", help="export a run's latest checkpoint in the z-lab format")
     export.add_argument("--run", required=True)
     export.add_argument("--out", required=True)
+    export.add_argument("--storage", default="bf16", choices=["bf16", "int8"], help="as train's --storage")
     export.set_defaults(func=cmd_export)
 
 
@@ -137,7 +141,7 @@ def cmd_train(args) -> None:
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
                      attention_chunk=args.attention_chunk, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
-                     device=args.device)
+                     storage=args.storage, device=args.device)
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1:
@@ -166,4 +170,4 @@ def cmd_export(args) -> None:
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["config"]))
     drafter.load_state_dict(state["drafter"])
     drafter = fold_feature_scale(drafter, state["feature_scale"])
-    print(json.dumps({"drafter": str(save_drafter(drafter, args.out))}))
+    print(json.dumps({"drafter": str(save_drafter(drafter, args.out, storage=args.storage))}))
