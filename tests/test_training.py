@@ -84,6 +84,40 @@ def test_chunked_attention_equals_the_dense_masked_one(causal, window):
         chunked_mask(anchors, seq_len, block, causal, window, 4, 2, q.dtype)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA (the CPU has none)")
+def test_flex_attention_equals_the_dense_masked_one_without_a_compile_per_shape():
+    """The flex path (CUDA) gives the dense training mask's outputs and gradients for batches of several
+    context lengths and sequence counts, as training meets them, and compiles a few graphs in all, not
+    one per shape (dynamo's limit of 8 then sent the rest to the unfused path: 9x slower steps)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from deepflash.drafter import attend
+    from deepflash.models.layers import fold_mask
+    from deepflash.train.flex import block_mask_for
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    for b, seq_len in [(2, 256), (3, 512), (1, 768), (2, 1280), (4, 1792), (3, 2304)]:
+        anchors = torch.randint(1, seq_len, (b, 32), device="cuda", generator=gen).sort(dim=1).values
+        q_len = anchors.shape[1] * block
+
+        def rand(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen, requires_grad=True)
+
+        q, k, v = rand(b, heads, q_len, dim), rand(b, kv_heads, q_len, dim), rand(b, kv_heads, q_len, dim)
+        ctx_k, ctx_v = rand(b, kv_heads, seq_len, dim), rand(b, kv_heads, seq_len, dim)
+        dense = fold_mask(training_mask(anchors, seq_len, block, False, None)[:, None], heads // kv_heads, q.dtype)
+        flex = block_mask_for(training_mask_mod(anchors, seq_len, block, False, None), q_len, seq_len + q_len,
+                              "cuda", batch=b)
+        outs = [attend(q, ctx_k, ctx_v, k, v, mask) for mask in (dense, flex)]
+        grads = [torch.autograd.grad(out.square().sum(), (q, ctx_k, ctx_v, k, v)) for out in outs]
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)
+        for got, want in zip(*grads[::-1]):
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs <= 4
+
+
 def test_decay_weights_start_at_one():
     w = loss_weights(16, default_gamma(16))
     assert w.shape == (15,) and w[0] == 1.0 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0)))

@@ -1,4 +1,10 @@
-"""flex_attention for packed training blocks on CUDA (compiled once; the explicit mask serves the CPU)."""
+"""flex_attention for packed training blocks on CUDA (the explicit mask serves the CPU).
+
+Compiled with dynamic shapes: training batches come in many lengths (context rounded up to --pad-to,
+sequences per part), and compiled for static shapes each was a new compile, until dynamo's recompile
+limit (8) sent the rest to the unfused path, which materializes every score: 6.07 s a step against the
+explicit mask's 0.65 (BENCHMARKS.md, third session). The mask_mod (masks.training_mask_mod) reads the
+context length from a tensor for the same reason: a Python int would be guarded on."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import torch
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def flex_attend(q, k, v, block_mask):

@@ -44,6 +44,7 @@ def training_mask_mod(anchors: torch.Tensor, seq_len: int, block: int, causal: b
     """The same rule as a flex_attention mask_mod(b, h, q, kv), for anchors [A] or [batch, A]."""
     rows = anchors.reshape(-1, anchors.shape[-1])
     block_id, offset, _ = query_layout(rows[0], block)
+    seq_len = torch.tensor(seq_len, device=anchors.device)  # a tensor, not a constant of the compiled kernel
     big = 1 << 30
     win = window if window is not None else big
 

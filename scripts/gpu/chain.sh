@@ -55,7 +55,10 @@ fi
 if [ "$DEVICE" = cuda ]; then
   [ "${PROFILE:-0}" = 1 ] && stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json $PROFILE_ARGS
   [ "${FLA:-0}" = 1 ] && stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
-  [ "${PROFILE_TRAIN:-1}" = 1 ] && stage profile_train python3 scripts/gpu/profile_train.py --out $R/profile-train.json
+  if [ "${PROFILE_TRAIN:-1}" = 1 ]; then
+    stage flex_test python3 -m pytest -q -rs tests/test_training.py -k flex
+    stage profile_train python3 scripts/gpu/profile_train.py --out $R/profile-train.json
+  fi
   [ "${MEM_PEAK:-1}" = 1 ] && stage mem_peak python3 scripts/gpu/mem_peak.py --out $R/mem-peak.json
   if [ "${RINGS:-1}" = 1 ]; then  # the benchmark runs even if a test fails (its log says which)
     stage kernels python3 -m pytest -q -rs tests/test_ring_kernels.py tests/test_target_kernels.py

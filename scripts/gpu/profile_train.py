@@ -1,9 +1,10 @@
 """Where a drafter training step's time goes (issue 6: training ran at ~10k sequence tokens/s on an
 H200, far below what the FLOPs allow). Trains the embedded target's drafter on synthetic sequences
 shaped like the generated data (half of the prompts 150-700 tokens, half 1500-7500, + 320 response
-tokens): step time and sequence tokens/s of the 3-layer drafter per query-chunk size of the attention
-(train/chunks.py; 0 is the dense layout), then, for the last variant (the default), the host-side time
-by function (cProfile) and the top kernels (torch.profiler) of a few steps. Ends with one JSON line.
+tokens): step time and sequence tokens/s of the 3-layer drafter with the default attention (SDPA in
+query chunks, train/chunks.py) and with flex_attention (compiled with dynamic shapes, train/flex.py),
+then, for the default, the host-side time by function (cProfile) and the top kernels (torch.profiler) of
+a few steps. Ends with one JSON line.
 
     python3 scripts/gpu/profile_train.py --out profile_train.json
 """
@@ -44,14 +45,18 @@ def timed_steps(trainer: Trainer, steps: int) -> dict:
     batches = batches_of(trainer)
     trainer.step(batches[0])  # warm-up (allocator, kernels, flex compile)
     sync()
-    began, tokens = time.perf_counter(), 0
+    began, tokens, times = time.perf_counter(), 0, []
     timed = batches[1: steps + 1] or batches[:1]  # a dry run may have only one batch
     for batch in timed:
-        trainer.step(batch)
+        step_began = time.perf_counter()
+        trainer.step(batch)  # its float(loss) waits for the step's GPU work
+        times.append(time.perf_counter() - step_began)
         tokens += sum(len(s) for s in batch)
     sync()
     seconds = time.perf_counter() - began
-    return {"steps": len(timed), "s_per_step": seconds / len(timed), "seq_tok_per_s": tokens / seconds}
+    # the median leaves out a step that compiled for a new shape (flex_attention's first dynamic one)
+    return {"steps": len(timed), "s_per_step": seconds / len(timed), "seq_tok_per_s": tokens / seconds,
+            "median_s_per_step": sorted(times)[len(times) // 2], "step_s": [round(t, 3) for t in times]}
 
 
 def batches_of(trainer: Trainer) -> list:
@@ -118,16 +123,16 @@ def main() -> None:
     tokenizer = load_tokenizer(folder)
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        # attention_chunk: anchor blocks per query chunk of the SDPA path (0: one dense chunk, the layout
-        # before chunks.py); the last variant is the default, whose time is then broken down
-        variants = (0, 4, 8, TrainConfig.attention_chunk)
-        for index, chunk in enumerate(variants):
+        # the first variant is the default, whose time is then broken down; query chunks of 0, 4 and 8
+        # anchor blocks were measured in the eleventh session (BENCHMARKS.md)
+        chunk = TrainConfig.attention_chunk
+        for index, attention in enumerate(("sdpa", "flex")):
             data = Path(tmp) / f"data-{index}"
             synthetic_data(data, target.cfg.vocab_size, 64 if device.type == "cuda" else 3, seed=index)
             tc = TrainConfig(data=str(data), out=str(Path(tmp) / "run"), layers=3,
-                             batch_tokens=16384, steps=1000, attention="sdpa", device=args.device,
+                             batch_tokens=16384, steps=1000, attention=attention, device=args.device,
                              eval_every=10**9, ckpt_every=10**9, attention_chunk=chunk)
-            run = {"attention": "sdpa", "batch_tokens": 16384, "attention_chunk": chunk}
+            run = {"attention": attention, "batch_tokens": 16384, "attention_chunk": chunk}
             try:
                 trainer = Trainer(tc, target, tokenizer, device)
                 run.update(timed_steps(trainer, args.steps))
@@ -137,7 +142,7 @@ def main() -> None:
                 run["error"] = f"{type(err).__name__}: {err}"
             print(json.dumps(run), flush=True)
             record["runs"].append(run)
-            if index == len(variants) - 1 and "error" not in run:  # where the training time goes now
+            if index == 0 and "error" not in run:  # where the training time goes now
                 record["host_top"] = host_top(trainer, 3)
                 if device.type == "cuda":
                     record["top"] = kernel_top(trainer, 3)
