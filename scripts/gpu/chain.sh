@@ -56,7 +56,7 @@ if [ "$DEVICE" = cuda ]; then
   [ "${PROFILE:-0}" = 1 ] && stage profile python3 scripts/gpu/profile_step.py --out $R/profile.json $PROFILE_ARGS
   [ "${FLA:-0}" = 1 ] && stage fla python3 -m pytest -q -rs tests/test_qwen3_5.py -k fla
   if [ "${PROFILE_TRAIN:-1}" = 1 ]; then
-    stage flex_test python3 -m pytest -q -rs tests/test_training.py -k flex
+    stage flex_test python3 -m pytest -q -rs tests/test_training.py -k flex && FLEX_OK=1
     stage profile_train python3 scripts/gpu/profile_train.py --out $R/profile-train.json
   fi
   [ "${MEM_PEAK:-1}" = 1 ] && stage mem_peak python3 scripts/gpu/mem_peak.py --out $R/mem-peak.json
@@ -100,6 +100,21 @@ rm -rf $ROOT/shipped-drafter && cp -r deepflash/drafters/smollm2-135m $ROOT/ship
 INIT_FROM=${INIT_FROM-$ROOT/shipped-drafter}
 refresh
 [ -f scripts/gpu/train.env ] && source scripts/gpu/train.env && echo "=== train.env: $(cat scripts/gpu/train.env | tr '\n' ' ')"
+# ATTENTION=best: flex_attention if its test passed and profile_train.py timed its steps 10% faster
+# (median) than SDPA's query chunks, else sdpa
+if [ "${ATTENTION:-sdpa}" = best ]; then
+  ATTENTION=$(FLEX_OK=${FLEX_OK:-0} python3 - "$R/profile-train.json" <<'PY'
+import json, os, sys
+try:
+    runs = {r["attention"]: r for r in json.load(open(sys.argv[1]))["runs"] if "error" not in r}
+    faster = runs["flex"]["median_s_per_step"] < 0.9 * runs["sdpa"]["median_s_per_step"]
+except (OSError, KeyError, ValueError):
+    faster = False
+print("flex" if faster and os.environ["FLEX_OK"] == "1" else "sdpa")
+PY
+)
+  echo "=== attention for training: $ATTENTION"
+fi
 # --pad-to: every new batch shape costs host time (BENCHMARKS.md, third session); PAD_TO=0 turns it off
 train_run() {  # train_run OUT [EXTRA ARGS...]
   deepflash train-drafter train --device $DEVICE --data $DATA --out "$1" --layers $LAYERS --batch-tokens $BATCH_TOKENS \
