@@ -7,8 +7,12 @@ as quant.py, in float32 with IEEE division and no fused multiply-add, so the byt
 stores them at slot = position % capacity, plus the slot's position tag. Decoding is the inverse, for a
 contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
 nibbles), so it needs no register shuffle. With SCALED, a write multiplies the rows by a per-channel
-scale as it loads them and a decode multiplies by its inverse (features.storage_scale); this costs a
-load of the scale per value (`bench rings` times both).
+scale as it loads them and a decode multiplies by its inverse (features.storage_scale). A program's work
+items are the same columns of ITEMS consecutive rows, so it loads that scale once for all of them.
+Loaded per value (4 bytes next to q4_0's 0.56), the scaled dequantize measured 0.50-0.52 of the copy
+bandwidth where the tenth session's unscaled one had reached 0.84-0.89, part of that gap run-to-run
+noise (fourteenth session). `bench rings` times both, and with `--triton-shapes` shapes whose ITEMS > 1
+share the scale.
 
 A block format's write was bound by instructions, not memory (a q8_0 block took ~37 warp instructions
 where an f32 one takes ~10; 0.57 / 0.60 of the copy bandwidth, BENCHMARKS.md, ninth session). So it
@@ -78,11 +82,13 @@ def _shape(kernel: str, fmt: RowFormat) -> Shape:
 
 
 def _launch(kernel, shape: Shape, n: int, width: int, *args, **constexprs) -> None:
-    """One program per ITEMS work items; a work item is GROUPS blocks of one of the n rows."""
-    items = n * triton.cdiv(triton.cdiv(width, QK), shape.groups)
-    kernel[(triton.cdiv(items, shape.items),)](*args, n, width, GROUPS=shape.groups, ITEMS=shape.items,
-                                               STAGES=shape.stages, num_warps=shape.warps, enable_fp_fusion=False,
-                                               **constexprs)
+    """One program per ITEMS work items; a work item is GROUPS blocks of one of the n rows, and a
+    program's items are the same columns of ITEMS consecutive rows (so a scaled kernel loads their
+    scale once)."""
+    per_row = triton.cdiv(triton.cdiv(width, QK), shape.groups)
+    kernel[(per_row * triton.cdiv(n, shape.items),)](*args, n, width, GROUPS=shape.groups, ITEMS=shape.items,
+                                                     STAGES=shape.stages, num_warps=shape.warps,
+                                                     enable_fp_fusion=False, **constexprs)
 
 
 def available() -> bool:
@@ -138,50 +144,70 @@ if triton is not None:
         return tl.where(tl.abs(peak_low) >= tl.abs(peak_high), peak_low, peak_high)
 
     @triton.jit
-    def _item(n, width, ITEMS: tl.constexpr, GROUPS: tl.constexpr, i):
-        """Work item i of this program: (its row, its place in the row in GROUPS blocks, whether it exists:
-        the last program's may not)."""
-        work = tl.program_id(0) * ITEMS + i
-        per_row = tl.cdiv(tl.cdiv(width, 32), GROUPS)
-        r = work // per_row
-        return r, work % per_row, r < n
+    def _chunk(width, GROUPS: tl.constexpr):
+        """This program's place in its rows, in GROUPS blocks."""
+        return tl.program_id(0) % tl.cdiv(tl.cdiv(width, 32), GROUPS)
+
+    @triton.jit
+    def _row(n, width, ITEMS: tl.constexpr, GROUPS: tl.constexpr, i):
+        """The row of this program's work item i, and whether it exists (the last row group's may not)."""
+        r = tl.program_id(0) // tl.cdiv(tl.cdiv(width, 32), GROUPS) * ITEMS + i
+        return r, r < n
+
+    @triton.jit
+    def _columns(chunk, width, GROUPS: tl.constexpr, HALF: tl.constexpr):
+        """The chunk's blocks, their columns [GROUPS, 32] (HALF: the first 16 of each block) and which of
+        those lie inside the row."""
+        group = chunk * GROUPS + tl.arange(0, GROUPS)
+        cols = group[:, None] * 32 + tl.arange(0, 32 // (1 + HALF))[None, :]
+        return group, cols, cols < width
+
+    @triton.jit
+    def _scale_of(scale, cols, inside, SCALED: tl.constexpr):
+        """The per-channel scale at cols (loaded once per program, for all its rows), or 1."""
+        if SCALED:
+            return tl.load(scale + cols, mask=inside, other=0.0)
+        return 1.0
 
     @triton.jit
     def _write(rows, positions, data, tags, scale, row_elems, capacity, n, width, FMT: tl.constexpr,
                GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr, ITEMS: tl.constexpr,
                STAGES: tl.constexpr):
+        chunk = _chunk(width, GROUPS)
+        # q4_0 loads a block as its two halves (module doc), the others as one run of 32
+        group, cols, inside = _columns(chunk, width, GROUPS, FMT == 4)
+        s = _scale_of(scale, cols, inside, SCALED)
+        s_high = _scale_of(scale, cols + 16, inside, SCALED and FMT == 4)
         # a constant trip count: Triton's interpreter (the CPU tests) cannot loop to a runtime bound
         for i in tl.range(0, ITEMS, num_stages=STAGES):
-            r, chunk, exists = _item(n, width, ITEMS, GROUPS, i)
-            _write_item(rows, positions, data, tags, scale, row_elems, capacity, width, r, chunk, exists, FMT,
-                        GROUPS, BLOCK_BYTES, SCALED)
+            r, exists = _row(n, width, ITEMS, GROUPS, i)
+            _write_item(rows, positions, data, tags, s, s_high, row_elems, capacity, width, r, chunk, group, cols,
+                        inside & exists, exists, FMT, GROUPS, BLOCK_BYTES, SCALED)
 
     @triton.jit
-    def _load_row(rows, scale, r, width, cols, mask, SCALED: tl.constexpr):
-        """Values of row r at cols, times their channels' scale if SCALED (in float32, as features.py)."""
+    def _load_row(rows, s, r, width, cols, mask, SCALED: tl.constexpr):
+        """Values of row r at cols, times their channels' scale s if SCALED (in float32, as features.py)."""
         x = tl.load(rows + r * width + cols, mask=mask, other=0.0)
         if SCALED:
-            x = x.to(tl.float32) * tl.load(scale + cols, mask=mask, other=0.0)
+            x = x.to(tl.float32) * s
         return x
 
     @triton.jit
-    def _write_item(rows, positions, data, tags, scale, row_elems, capacity, width, r, chunk, exists,
-                    FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr):
+    def _write_item(rows, positions, data, tags, s, s_high, row_elems, capacity, width, r, chunk, group, cols,
+                    inside, exists, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                    SCALED: tl.constexpr):
         pos = tl.load(positions + r, mask=exists, other=0)
         slot = pos % capacity
         tl.store(tags + slot, pos, mask=exists & (chunk == 0))
-        group = chunk * GROUPS + tl.arange(0, GROUPS)
-        cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
-        inside = (cols < width) & exists
         out = data + slot * row_elems
         if FMT < 3:  # plain: a cast
-            x = _load_row(rows, scale, r, width, cols, inside, SCALED)
+            x = _load_row(rows, s, r, width, cols, inside, SCALED)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
             live = (group < width // 32) & exists
             block = group * BLOCK_BYTES  # even: the fp16 scale at a block's start is 2-byte aligned
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
-                x = _load_row(rows, scale, r, width, cols, inside, SCALED).to(tl.float32)
+                x = _load_row(rows, s, r, width, cols, inside, SCALED).to(tl.float32)
                 d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
                 inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 v = x * inv[:, None]
@@ -190,9 +216,8 @@ if triton is not None:
                 q = (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)
                 _store_pairs(out + block + 2, q & 0xFF, GROUPS, 32, live)
             else:  # q4_0: the signed value of largest magnitude maps to -8; codes x / d + 8.5, floored
-                half = group[:, None] * 32 + tl.arange(0, 16)[None, :]
-                low = _load_row(rows, scale, r, width, half, live[:, None], SCALED).to(tl.float32)
-                high = _load_row(rows, scale, r, width, half + 16, live[:, None], SCALED).to(tl.float32)
+                low = _load_row(rows, s, r, width, cols, live[:, None], SCALED).to(tl.float32)
+                high = _load_row(rows, s_high, r, width, cols + 16, live[:, None], SCALED).to(tl.float32)
                 d = tl.math.div_rn(_peak(low, high), -8.0)
                 inv = tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 # x / d lies in [-8, 8] (to a rounding), so x / d + 8.5 > 0: truncation is the floor
@@ -214,16 +239,16 @@ if triton is not None:
     @triton.jit
     def _decode(data, out, inverse, row_elems, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr,
                 BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr):
+        group, cols, inside = _columns(_chunk(width, GROUPS), width, GROUPS, False)
+        s = _scale_of(inverse, cols, inside, SCALED)
         for i in tl.range(0, ITEMS, num_stages=STAGES):
-            r, chunk, exists = _item(n, width, ITEMS, GROUPS, i)
-            _decode_item(data, out, inverse, row_elems, width, r, chunk, exists, FMT, GROUPS, BLOCK_BYTES, SCALED)
+            r, exists = _row(n, width, ITEMS, GROUPS, i)
+            _decode_item(data, out, s, row_elems, width, r, group, cols, inside & exists, exists, FMT, GROUPS,
+                         BLOCK_BYTES, SCALED)
 
     @triton.jit
-    def _decode_item(data, out, inverse, row_elems, width, r, chunk, exists, FMT: tl.constexpr,
+    def _decode_item(data, out, s, row_elems, width, r, group, cols, inside, exists, FMT: tl.constexpr,
                      GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr):
-        group = chunk * GROUPS + tl.arange(0, GROUPS)
-        cols = group[:, None] * 32 + tl.arange(0, 32)[None, :]
-        inside = (cols < width) & exists
         src = data + r * row_elems
         if FMT < 3:
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
@@ -242,5 +267,5 @@ if triton is not None:
                 q = tl.reshape(tl.permute(both, [0, 2, 1]), [GROUPS, 32]).to(tl.float32) - 8
             x = scale[:, None] * q
         if SCALED:
-            x = x * tl.load(inverse + cols, mask=inside, other=0.0)
+            x = x * s
         tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)

@@ -79,14 +79,18 @@ def test_engine_with_triton_rings_keeps_the_greedy_contract(feature_dtype):
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (64, 8), (16, 1, 4, 3), (32, 2, 5, 2)])
-def test_every_program_shape_stores_the_same_bytes(shape):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_every_program_shape_stores_the_same_bytes(shape, scaled):
     """bench rings --triton-shapes times other shapes: they must store the same bytes, also where the
-    last program's work items run past the rows (3 rows of 2880 values are 18 or 9 items)."""
+    last program's rows run past the rows written (3 rows: a program takes 1, 4 or 5), with the scale
+    loaded once per program for all its rows."""
     from deepflash import ring_kernels
 
+    scale = torch.exp2(torch.arange(2880) % 7 - 3.0).to(DEVICE) if scaled else None
     for fmt in ("f16", "q8_0", "q4_0"):
         rows = awkward_rows(3, 2880)
-        torch_ring, triton_ring = (FeatureRing(4, 2880, FORMATS[fmt], DEVICE, kernels=k) for k in ("torch", "triton"))
+        torch_ring, triton_ring = (FeatureRing(4, 2880, FORMATS[fmt], DEVICE, kernels=k, channel_scale=scale)
+                                   for k in ("torch", "triton"))
         torch_ring.write(torch.arange(3, device=DEVICE), rows)
         with ring_kernels.shape_override(ring_kernels.Shape(*shape)):
             triton_ring.write(torch.arange(3, device=DEVICE), rows)

@@ -84,6 +84,9 @@ def run(args) -> dict:
         with ring_kernels.shape_override(shape):
             for fmt in FORMATS:
                 results[f"{fmt} triton {shape}"] = measure(device, bandwidth, fmt, args, "triton")
+                if FORMATS[fmt].dtype is None:  # a program loads the scale once for its ITEMS rows
+                    results[f"{fmt} triton {shape} scaled"] = measure(device, bandwidth, fmt, args, "triton",
+                                                                      scaled=True)
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
     table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
           f"{bandwidth:.0f} GB/s)", ["dtype, kernels", "write GB/s", "of copy", "dequant GB/s", "of copy"],
