@@ -62,7 +62,7 @@ if [ "$DEVICE" = cuda ]; then
   [ "${MEM_PEAK:-1}" = 1 ] && stage mem_peak python3 scripts/gpu/mem_peak.py --out $R/mem-peak.json
   if [ "${RINGS:-1}" = 1 ]; then  # the benchmark runs even if a test fails (its log says which)
     stage kernels python3 -m pytest -q -rs tests/test_ring_kernels.py tests/test_target_kernels.py
-    stage rings deepflash bench rings --device $DEVICE --kernels torch,compile,triton --out $R/rings.json \
+    stage rings deepflash bench rings --device $DEVICE --kernels ${RING_KERNELS:-torch,compile,triton} --out $R/rings.json \
       --triton-shapes ${RING_SHAPES:-8x1,16x1,16x4,32x1,32x4,32x8,64x4,64x8,16x1x8x2,16x1x8x3,32x1x4x3,32x4x8x3}
   fi
 fi
