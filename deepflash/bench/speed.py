@@ -139,6 +139,10 @@ def run(args) -> dict:
         "deepflash plain": lambda: Engine(target, tok, max_ctx=ctx),
         "deepflash dflash (spec auto)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="auto"),
         "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
+        # a shorter block: a cheaper verify and draft against the drafts past position 8 (HumanEval: 3% of
+        # the AL with the shipped drafter, BENCHMARKS.md fifteenth session)
+        "deepflash dflash block 8 (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on",
+                                                             block_size=8),
         # plain steps that still capture features for the drafter: what that capture costs on its own
         "deepflash dflash (spec off)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="off"),
         "deepflash never-matching drafter (spec auto)": lambda: Engine(
