@@ -295,6 +295,12 @@ def save_drafter(drafter: DFlashDrafter, folder: Path | str, dtype: torch.dtype 
     return folder
 
 
+def stored_as(spec: str | Path) -> str:
+    """How a drafter folder stores its matrices: one of STORAGES."""
+    raw = json.loads((resolve_drafter(str(spec)) / "config.json").read_text())
+    return "int8" if (raw.get("quantization_config") or {}).get("quant_method") == INT8_ROWS else "bf16"
+
+
 def int8_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each matrix as symmetric int8 codes with a float32 scale per row (its largest magnitude / 127):
     0.8% relative error on average over the shipped drafter's matrices, -0.4% AL on the CPU

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepflash.drafter import DrafterContext, load_drafter
+from deepflash.drafter import DrafterContext, load_drafter, save_drafter
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 from deepflash.train.datagen import build_dataset, generate_batch
@@ -311,6 +311,12 @@ def test_init_from_an_exported_drafter_starts_where_it_ended(dataset, tmp_path):
     assert abs(grown.evaluate()["eval_loss"] - ended) < 0.01 * ended  # the new layer starts as the identity
     grown.run()
     assert grown.drafter.layers[2].mlp.down_proj.weight.abs().sum() > 0  # and then learns
+    # a continued drafter keeps its storage unless --storage says otherwise
+    save_drafter(load_drafter(exported), tmp_path / "int8", storage="int8")
+    for init, storage, want in [(exported, None, "bf16"), (tmp_path / "int8", None, "int8"),
+                                (tmp_path / "int8", "bf16", "bf16")]:
+        tc = TrainConfig(out=str(tmp_path / "d"), layers=1, steps=1, init_from=str(init), storage=storage, **common)
+        assert Trainer(tc, target, tok, torch.device("cpu")).storage == want
 
 
 def test_resume_continues_from_the_checkpoint(dataset, tmp_path):

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import DrafterConfig, default_target_layer_ids
-from ..drafter import STORAGES, DFlashDrafter, load_drafter, save_drafter, validate_pair
+from ..drafter import STORAGES, DFlashDrafter, load_drafter, save_drafter, stored_as, validate_pair
 from ..errors import UserError
 from ..models import init_random_
 from ..progress import bar, stderr
@@ -92,7 +92,8 @@ class TrainConfig:
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
     distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
     attention_chunk: int = 16  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
-    storage: str = "bf16"  # the exported drafter's matrices: bf16, or int8 rows (drafter.save_drafter)
+    storage: str | None = None  # the exported drafter's matrices: bf16 or int8 rows (drafter.save_drafter);
+    # None: as the init_from drafter stores them, else bf16
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -115,7 +116,7 @@ class TrainConfig:
             raise UserError(f"--attention-chunk must be >= 0, got {self.attention_chunk}")
         if self.pad_to < 0:
             raise UserError(f"--pad-to must be >= 0, got {self.pad_to}")
-        if self.storage not in STORAGES:
+        if self.storage is not None and self.storage not in STORAGES:
             raise UserError(f"--storage must be one of {', '.join(STORAGES)}, got {self.storage!r}")
         if self.norm_lr_scale <= 0:
             raise UserError(f"--norm-lr-scale must be positive, got {self.norm_lr_scale}")
@@ -337,6 +338,9 @@ class Trainer:
                                            num_layers=start.cfg.num_layers + tc.grow_layers,
                                            layer_types=start.cfg.layer_types + ("full_attention",) * tc.grow_layers)
             validate_pair(self.cfg, target.cfg)
+        # a drafter continued session after session keeps its storage (int8 rows keep a deeper one in
+        # the 25 MB the repository ships)
+        self.storage = tc.storage or (stored_as(tc.init_from) if tc.init_from else "bf16")
         self.drafter = init_random_(DFlashDrafter(self.cfg), tc.seed).to(device)
         with torch.no_grad():  # the drafter's output feeds the target's lm_head: start at the target's output scale
             self.drafter.norm.weight.copy_(output_norm_gain(target))
@@ -620,7 +624,7 @@ class Trainer:
 
     def export(self, folder: Path) -> Path:
         save_drafter(fold_feature_scale(self.drafter, self.feature_scale), folder, dtype=torch.bfloat16,
-                     storage=self.tc.storage)
+                     storage=self.storage)
         summary = {"train_config": asdict(self.tc), "steps": self.progress.step, "tokens": self.progress.tokens,
                    "elapsed_s": round(self.progress.elapsed, 1), "data": self.data_meta.get("summary"),
                    "last_eval": self.progress.history[-1] if self.progress.history else None}
