@@ -311,6 +311,7 @@ def test_init_from_an_exported_drafter_starts_where_it_ended(dataset, tmp_path):
     assert abs(grown.evaluate()["eval_loss"] - ended) < 0.01 * ended  # the new layer starts as the identity
     grown.run()
     assert grown.drafter.layers[2].mlp.down_proj.weight.abs().sum() > 0  # and then learns
+    assert grown.progress.history[0]["step"] == 0  # a continued run's first evaluation is its starting point
     # a continued drafter keeps its storage unless --storage says otherwise
     save_drafter(load_drafter(exported), tmp_path / "int8", storage="int8")
     for init, storage, want in [(exported, None, "bf16"), (tmp_path / "int8", None, "int8"),

@@ -586,6 +586,10 @@ class Trainer:
 
         lead = self.group.lead
         log = (self.out / "train.jsonl").open("a") if lead else None
+        if lead and self.tc.init_from and self.progress.step == 0:
+            # the continued drafter on this data's held-out split: what this run adds is read against it
+            # (each run restarts the schedule's warmup, and the first evaluation used to come 400 steps in)
+            self._log_eval(log)
         self.drafter.train()
         with bar(TextColumn("{task.fields[info]}"), disable=not lead) as display:
             task = display.add_task("training drafter", total=1000, info="")
