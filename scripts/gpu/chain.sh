@@ -133,6 +133,8 @@ stage pick python3 scripts/gpu/pick_drafter.py $RUN/drafter ${TRAIN_B:+$RUN-b/dr
 stage accept deepflash bench accept --device $DEVICE --out $R/accept.json --plot $R/accept.png $ACCEPT_ARGS
 stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed.json $SPEED_ARGS \
   ${SPEED_SYSTEMS:+--systems "$SPEED_SYSTEMS"}
+# STEP_TIMES=1: per step kind, the host's launch time and the time the engine records (scripts/gpu/step_times.py)
+[ "${STEP_TIMES:-0}" = 1 ] && stage step_times python3 scripts/gpu/step_times.py --device $DEVICE --out $R/step-times.json
 [ "${MEMORY:-0}" = 1 ] && stage memory deepflash bench memory --device $DEVICE --out $R/memory.json
 [ "$MBU" = 1 ] && stage mbu deepflash bench speed --device $DEVICE --part mbu --out $R/speed-mbu.json
 # scripts/gpu/extra.sh, if a keep-alive run carried one, runs last (e.g. a kernel made while the chain trained)
