@@ -298,7 +298,12 @@ def save_drafter(drafter: DFlashDrafter, folder: Path | str, dtype: torch.dtype 
 def stored_as(spec: str | Path) -> str:
     """How a drafter folder stores its matrices: one of STORAGES."""
     raw = json.loads((resolve_drafter(str(spec)) / "config.json").read_text())
-    return "int8" if (raw.get("quantization_config") or {}).get("quant_method") == INT8_ROWS else "bf16"
+    return "int8" if _quant_method(raw) == INT8_ROWS else "bf16"
+
+
+def _quant_method(config: dict) -> str | None:
+    """config.json's quantization_config.quant_method, None for plain tensors."""
+    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 def int8_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -346,7 +351,7 @@ def load_drafter(spec: str | Path, device="cpu", dtype=torch.float32) -> DFlashD
     state = {}
     for file in safetensors_files(folder):
         state.update(load_file(str(file)))
-    method = (raw.get("quantization_config") or {}).get("quant_method")
+    method = _quant_method(raw)
     if method == INT8_ROWS:
         state = from_int8_rows(state)
     elif method is not None:
