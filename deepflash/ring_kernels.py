@@ -165,9 +165,11 @@ if triton is not None:
     @triton.jit
     def _scale_of(scale, cols, inside, SCALED: tl.constexpr):
         """The per-channel scale at cols (loaded once per program, for all its rows), or 1."""
+        # an else, not a fall-through: compiled (unlike interpreted) Triton types both returns alike
         if SCALED:
             return tl.load(scale + cols, mask=inside, other=0.0)
-        return 1.0
+        else:
+            return 1.0
 
     @triton.jit
     def _write(rows, positions, data, tags, scale, row_elems, capacity, n, width, FMT: tl.constexpr,

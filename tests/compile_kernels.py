@@ -1,0 +1,87 @@
+"""Compile every Triton kernel deepflash launches, for a Hopper GPU (sm_90), on a machine without one.
+
+Triton's interpreter (the CPU tests) runs what the compiler refuses: a helper with two differently typed
+returns ran there and failed to compile on the H200 (sixteenth session). Run as a script (the tests call
+it in a subprocess, outside the interpreter): it replaces the launch with a compile of the same
+arguments, calls each wrapper with CPU tensors of the shapes the engine uses, and prints one line per
+compiled binary."""
+
+import inspect
+import os
+import sys
+from itertools import product
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "compiling needs Triton's compiler, not its interpreter"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"}
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+         torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+compiled = []
+
+
+def type_of(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
+    """JITFunction.run's stand-in: compile for TARGET what the launch would have run."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+    bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+    constexprs = {p.name: bound[p.name] for p in self.params if p.is_constexpr}
+    signature = {name: "constexpr" if name in constexprs else type_of(value) for name, value in bound.items()}
+    kernel = triton.compile(ASTSource(self, signature, constexprs=constexprs), target=TARGET, options=options)
+    assert "cubin" in kernel.asm
+    compiled.append(f"{self.fn.__name__} {constexprs}")
+
+
+def ring_kernels():
+    from deepflash import ring_kernels as rk
+    from deepflash.quant import FORMATS
+
+    width, n = 576, 5
+    for fmt, rows_dtype, scale in product(FORMATS.values(), (torch.bfloat16, torch.float32), (None, torch.ones(width))):
+        data = torch.zeros((8, *fmt.row_shape(width)), dtype=fmt.storage_dtype())
+        rk.write(fmt, data, torch.zeros(8, dtype=torch.int64), torch.arange(n), torch.zeros(n, width, dtype=rows_dtype),
+                 scale)
+        rk.decode(fmt, data, rows_dtype, scale)
+
+
+def model_kernels():
+    from deepflash.models.decode_kernel import decode_attention
+    from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+    from deepflash.models.rope_kernel import rope_and_write
+
+    for dtype in (torch.bfloat16, torch.float32):
+        heads, kv_heads, dim, t, slots = 9, 3, 64, 16, 512
+        k, v = (torch.zeros(1, kv_heads, slots, dim, dtype=dtype) for _ in range(2))
+        decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
+        x = torch.zeros(t, 576, dtype=dtype)
+        add_rms_norm(x, x, torch.ones(576, dtype=dtype), 1e-5)
+        add_rms_norm(x, None, torch.ones(576, dtype=dtype), 1e-5)
+        silu_mul(torch.zeros(t, 2 * 1536, dtype=dtype))
+        qkv = torch.zeros(1, t, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        cos = torch.zeros(t, dim, dtype=torch.float32)
+        gain = torch.ones(dim, dtype=dtype)
+        for norm in (None, gain):
+            rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, norm, norm, 1e-6)
+
+
+if __name__ == "__main__":
+    JITFunction.run = compile_instead
+    {"rings": ring_kernels, "model": model_kernels}[sys.argv[1]]()
+    print("\n".join(compiled))
