@@ -15,6 +15,7 @@ from deepflash.models import decode_kernel, rope_kernel
 from deepflash.runtime import DEFAULT_DRAFTER
 from deepflash.sampling import SamplingParams
 
+LONG_PROMPT = [100 + i % 40000 for i in range(5800)]
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
@@ -77,10 +78,11 @@ def spec_profile(plain: Engine, prompt: list[int]) -> dict:
 
 def attention_sweep(plain: Engine, settings: str) -> dict:
     """Decode attention's CHUNK (keys per program) against speed (SmolLM2 shape, Triton kernels, CUDA
-    graphs, which each new engine captures with the setting it sees): plain decode after a 256-token and a 5.8K-token prompt, and at the long one a spec-on step
-    (the shipped drafter; on the random target every step commits one token) with its verify phase."""
+    graphs, which each new engine captures with the setting it sees): plain decode after a 256-token and
+    a 5.8K-token prompt, and at the long one a spec-on step (the shipped drafter; on the random target
+    every step commits one token) with its draft and verify phases."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
-    short, long = list(range(100, 356)), [100 + i % 40000 for i in range(5800)]
+    short = list(range(100, 356))
     kept = decode_kernel.CHUNK
     results = {}
     for setting in settings.split(","):
@@ -88,15 +90,26 @@ def attention_sweep(plain: Engine, settings: str) -> dict:
         fused = sibling(plain, target_kernels="triton", max_ctx=8192)
         spec = sibling(plain, drafter, spec="on", target_kernels="triton", max_ctx=8192)
         results[setting] = {"plain_tok_per_s_short": decode_rate(fused, short, 256),
-                            "plain_tok_per_s_long": decode_rate(fused, long, 128),
-                            "spec_on_steps_per_s_long": decode_rate(spec, long, 128)}
-        stats = spec.complete(long, SamplingParams(max_new_tokens=128)).spec  # its graphs are captured by now
+                            "plain_tok_per_s_long": decode_rate(fused, LONG_PROMPT, 128),
+                            "spec_on_steps_per_s_long": decode_rate(spec, LONG_PROMPT, 128)}
+        stats = spec.complete(LONG_PROMPT, SamplingParams(max_new_tokens=128)).spec  # graphs captured by now
+        results[setting]["draft_us_per_step_long"] = 1e6 * stats.draft_s / stats.steps
         results[setting]["verify_us_per_step_long"] = 1e6 * stats.verify_s / stats.steps
         figures = ", ".join(f"{k} {v:.0f}" for k, v in results[setting].items())
-        print(f"  attention CHUNK {setting}: {figures}")
+        print(f"  attention CHUNK {setting}: {figures}", flush=True)
         del fused, spec
     decode_kernel.CHUNK = kept
     return results
+
+
+def depth_profile(plain: Engine) -> dict:
+    """Kernels per step after the 5.8K-token prompt (SmolLM2 shape, Triton kernels, eager), spec on with
+    the shipped drafter and plain: where a step's time goes at depth (the prompt's prefill is spread
+    over the 48 steps)."""
+    drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
+    engines = {"spec_on": sibling(plain, drafter, spec="on", target_kernels="triton", cuda_graphs=False, max_ctx=8192),
+               "plain": sibling(plain, target_kernels="triton", cuda_graphs=False, max_ctx=8192)}
+    return {name: kernel_profile(engine, LONG_PROMPT, 48) for name, engine in engines.items()}
 
 
 def prefill_profile(plain: Engine, lengths: list[int]) -> dict:
@@ -150,7 +163,9 @@ def main():
     ap.add_argument("--prefill", action="store_true",
                     help="only the prefill, without and with the shipped drafter (SmolLM2 shape, 170 and 5849 tokens)")
     ap.add_argument("--attention-sweep", metavar="CHUNK,...",
-                    help="also time decode attention with these keys per program (SmolLM2 shape), e.g. 32,16,64")
+                    help="only time decode attention with these keys per program (SmolLM2 shape), e.g. 32,16,64")
+    ap.add_argument("--depth", action="store_true",
+                    help="only the kernels of spec-on and plain steps after a 5.8K-token prompt (SmolLM2 shape)")
     args = ap.parse_args()
     prompt = list(range(100, 356))
     record = {}
@@ -160,7 +175,15 @@ def main():
     if args.prefill:
         record.setdefault("smollm2-shaped", {})["prefill"] = prefill_profile(random_engine(SMOLLM2, args.device),
                                                                              [170, 5849])
-    shapes = [] if args.spec_only or args.prefill else [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]
+    if args.attention_sweep:
+        record.setdefault("smollm2-shaped", {})["attention_sweep"] = attention_sweep(
+            random_engine(SMOLLM2, args.device), args.attention_sweep)
+    if args.depth:
+        record.setdefault("smollm2-shaped", {})["depth"] = depth_profile(random_engine(SMOLLM2, args.device))
+        for name, prof in record["smollm2-shaped"]["depth"].items():
+            print_top(f"{name} after 5.8K tokens: {prof['device_us_per_step']:.0f} us busy/step", prof["top"][:12])
+    alone = args.spec_only or args.prefill or args.attention_sweep or args.depth
+    shapes = [] if alone else [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
         prof = kernel_profile(eager, prompt, 64)
@@ -184,8 +207,6 @@ def main():
             if name == "smollm2-shaped":  # the shipped drafter's taps fit this shape
                 prof["triton_kernels_capturing"] = capture_profile(eager, prompt)
                 prof["spec_on"] = spec_profile(eager, prompt)
-                if args.attention_sweep:
-                    prof["attention_sweep"] = attention_sweep(eager, args.attention_sweep)
         prof["eager_tok_per_s"] = decode_rate(eager, prompt, 64)
         record[name] = prof
         print(f"== {name}: {prof['kernels_per_step']:.0f} kernels/step, {prof['device_us_per_step']:.0f} us busy/step, "
