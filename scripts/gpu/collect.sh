@@ -12,6 +12,14 @@ if [ -f $D/model.safetensors ]; then
   cp $D/config.json $D/training.json "$OUT/" 2>/dev/null
   split -b 15000000 -d $D/model.safetensors "$OUT/drafter.part"
 fi
+# the run's own drafter where pick kept another: a later session can continue it (carried as
+# .stage/candidate, INIT_FROM=/root/stage/candidate); the sixteenth session's 5-layer one was lost so
+C=/root/run/drafter
+if [ -f $C/model.safetensors ] && ! cmp -s $C/model.safetensors $D/model.safetensors; then
+  cp $C/config.json "$OUT/candidate-config.json"
+  cp $C/training.json "$OUT/candidate-training.json" 2>/dev/null
+  split -b 15000000 -d $C/model.safetensors "$OUT/candidate.part"
+fi
 # the generated token shards, for the next session's run 1 to carry (.stage/data.tgz; never committed)
 [ -f /root/data.tgz ] && split -b 15000000 -d /root/data.tgz "$OUT/data.tgz.part"
 ls -l "$OUT"

@@ -7,5 +7,7 @@ mkdir -p /root/stage
 for part in .stage/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
 # token shards an earlier session generated (collect.sh), if carried: the chain then skips datagen
 [ -f .stage/data.tgz ] && cp .stage/data.tgz /root/stage/
+# a drafter an earlier session trained and did not ship (collect.sh), to continue: INIT_FROM=/root/stage/candidate
+[ -d .stage/candidate ] && rm -rf /root/stage/candidate && cp -r .stage/candidate /root/stage/candidate
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
