@@ -335,7 +335,7 @@ class Engine:
             spec.record(launched.size, len(committed) - 1)
             self.controller.record_spec(len(committed), seconds, launched.region)
         elif spec is not None:
-            spec.plain_steps += 1
+            spec.record_plain()
             self.controller.record_plain(seconds, launched.region)
         return committed
 

@@ -20,6 +20,7 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     plain_steps: int = 0
+    trace: list[int] = field(default_factory=list)  # per step in order: tokens a spec step committed, 0 a plain one
 
     def __post_init__(self):
         self.histogram = self.histogram or [0] * self.block_size
@@ -30,11 +31,17 @@ class SpecStats:
         """One verify step over `size` tokens that accepted `accepted` drafts (+1 bonus)."""
         self.steps += 1
         self.committed += accepted + 1
+        self.trace.append(accepted + 1)
         self.draft_tokens += size - 1
         self.histogram[accepted] += 1
         for k in range(size - 1):
             self.position_tries[k] += 1
             self.position_hits[k] += k < accepted
+
+    def record_plain(self) -> None:
+        """One plain step (speculation off for it: --spec auto's bursts and measurements)."""
+        self.plain_steps += 1
+        self.trace.append(0)
 
     @property
     def acceptance_length(self) -> float:

@@ -130,6 +130,10 @@ def test_auto_mode_stops_speculating_with_a_useless_drafter():
     out = engine.complete(ids, params)
     assert out.token_ids == plain(ids, params).token_ids
     assert out.spec.plain_steps > 3 * out.spec.steps
+    # the trace lists every step in order: tokens per spec step, 0 per plain one
+    trace = out.spec.trace
+    assert trace.count(0) == out.spec.plain_steps and len(trace) == out.spec.steps + out.spec.plain_steps
+    assert sum(trace) == out.spec.committed
     again = engine.complete(ids, params)
     assert again.token_ids == out.token_ids and again.spec.steps >= 1
 

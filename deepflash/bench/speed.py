@@ -47,6 +47,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
                            "decode_tok_per_s": r.generated_tokens / r.decode_s if r.decode_s else None,
                            "prefill_s": r.prefill_s, "wall_s": elapsed})
         if r.spec is not None:
+            # the steps in order (tokens per spec step, 0 per plain one): where --spec auto ran its bursts
+            per_prompt[-1].update(acceptance_length=r.spec.acceptance_length, trace=r.spec.trace)
             steps += r.spec.steps
             committed += r.spec.committed
             plain_steps += r.spec.plain_steps
