@@ -5,11 +5,13 @@ from the fifteenth session's bench accept histograms (HumanEval T=0; depth 7.5K 
 and cost `ratio` plain steps: 1.58 on the short prompts (step_times.py, sixteenth session) and 2.7 on
 the long one (its measured on / plain tok/s at the measured AL). Driven as the engine drives it
 (controller_sim.run of the fourteenth session: two steps queued, catch-up steps untimed). Prints auto's
-tok/s over on's for the short requests and for the long one, averaged over 400 engine lives, and a
-never-matching drafter's against plain. Ends with one JSON line.
+tok/s over on's for the short requests and for the long one, averaged over 400 engine lives, a
+never-matching drafter's against plain, and losing drafters' (controller_sim.run), for the default
+bursts and for shorter first ones. Ends with one JSON line.
 Usage (from the repository root): python3 benchmarks/2026-12-01-cpu-session16/bench_sequence_sim.py"""
 import json
 import random
+import sys
 from collections import deque
 
 from deepflash.controller import SpecController
@@ -52,12 +54,13 @@ def serve(controller: SpecController, sequence: list[tuple], rng: random.Random)
     return out
 
 
-def rates(mode: str, sequence: list[tuple], lives: int) -> tuple[float, float]:
-    """tok/s (plain = 1) of the five short requests together and of the long one, over `lives` engines."""
+def rates(make, sequence: list[tuple], lives: int) -> tuple[float, float]:
+    """tok/s (plain = 1) of the five short requests together and of the long one, over `lives` engines
+    (controllers from make())."""
     short = [0.0, 0.0]
     long = [0.0, 0.0]
     for life in range(lives):
-        served = serve(SpecController(mode), sequence, random.Random(life))
+        served = serve(make(), sequence, random.Random(life))
         for tokens, time in served[:-1]:
             short[0] += tokens
             short[1] += time
@@ -67,13 +70,23 @@ def rates(mode: str, sequence: list[tuple], lives: int) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    paying = requests(HUMANEVAL, DEPTH)
-    (short_on, long_on), (short_auto, long_auto) = rates("on", paying, 400), rates("auto", paying, 400)
-    never = requests(NEVER, NEVER)
-    never_auto = rates("auto", never, 50)
-    record = {"auto/on short": round(short_auto / short_on, 3), "auto/on long": round(long_auto / long_on, 3),
-              "never matching auto/plain short": round(never_auto[0], 3),
-              "never matching auto/plain long": round(never_auto[1], 3)}
-    for k, v in record.items():
-        print(f"{k}: {v}")
+    sys.path.insert(0, "benchmarks/2026-12-01-cpu-session14")
+    from controller_sim import run
+
+    paying, never = requests(HUMANEVAL, DEPTH), requests(NEVER, NEVER)
+    short_on, long_on = rates(lambda: SpecController("on"), paying, 400)
+    record = {}
+    # the default bursts (40 plain tokens, doubled per failed probe up to 8x) and shorter first bursts
+    for label, settings in [("burst 40, up to 8x", {}), ("burst 8, up to 40x", dict(burst=8, max_backoff=40))]:
+        make = lambda: SpecController("auto", **settings)  # noqa: E731
+        short_auto, long_auto = rates(make, paying, 400)
+        never_short, never_long = rates(make, never, 50)
+        row = {"auto/on short": short_auto / short_on, "auto/on long": long_auto / long_on,
+               "never matching auto/plain short": never_short, "never matching auto/plain long": never_long}
+        # losing drafters alone (controller_sim.run, 6 requests): auto against plain
+        for name, histogram, ratio in [("HumanEval", HUMANEVAL, 3.0), ("depth", DEPTH, 3.6), ("depth", DEPTH, 4.0)]:
+            row[f"losing {name}, ratio {ratio}: auto/plain"] = run(make(), histogram, ratio, 6, 128, True)
+        record[label] = {k: round(v, 3) for k, v in row.items()}
+        for k, v in record[label].items():
+            print(f"{label}  {k}: {v}")
     print(json.dumps(record))
