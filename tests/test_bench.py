@@ -96,3 +96,35 @@ def test_copied_from_beyond_counts_only_text_a_capped_window_cannot_see():
     assert copied_from_beyond([prompt], [near + far], window=20) == 5 / 15  # far's 5 of 15 (near's, across: not)
     assert copied_from_beyond([prompt + far], [far], window=20) == 0  # also near the end: visible
     assert copied_from_beyond([prompt], [list(range(500, 520))], window=20) == 0
+
+
+def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp_path):
+    """--out holds HumanEval and the depth sweep once they are done: a failing dtype sweep (the sixteenth
+    session's, on a ring kernel the GPU would not compile) fails the run, not their figures."""
+    import argparse
+    import json
+    from types import SimpleNamespace
+
+    from deepflash.bench import accept
+
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    runtime = SimpleNamespace(tokenizer=tokenizer, target=target, draft_name="tiny",
+                              drafter=tiny_drafter(drafter_config(target.cfg)))
+    monkeypatch.setattr(accept, "load_runtime", lambda cfg: runtime)
+    monkeypatch.setattr(accept, "humaneval_messages", lambda n: [[{"role": "user", "content": "w5 w6"}]])
+    monkeypatch.setattr(accept, "depth_prompts", lambda tok, depth, n: [[5, 6, 7, 8]])
+
+    def engine(*args, feature_dtype="f32", **kwargs):
+        if feature_dtype == "q8_0":
+            raise RuntimeError("a kernel failed to compile")
+        return Engine(*args, feature_dtype=feature_dtype, block_size=4, **kwargs)
+
+    monkeypatch.setattr(accept, "Engine", engine)
+    out = tmp_path / "accept.json"
+    args = argparse.Namespace(plot=None, device="cpu", model=None, draft=None, humaneval=1, max_new_tokens=4,
+                              depths="64", per_depth=1, out=str(out))
+    with pytest.raises(RuntimeError, match="compile"):
+        accept.run(args)
+    saved = json.loads(out.read_text())
+    assert set(saved["humaneval"]) == {"T=0", "T=1"} and set(saved["depth"]) == {"full", "4096", "2048"}
+    assert "dtype" not in saved

@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..runtime import load_runtime, resolve_device
 from ..sampling import SamplingParams
 from ..stats import SpecStats
-from .common import environment, finish, table
+from .common import environment, finish, save, table
 from .prompts import depth_prompts, humaneval_messages
 
 
@@ -132,6 +132,7 @@ def run(args) -> dict:
     table("HumanEval", ["temperature", "AL", "tok/s", "plain tok/s", "speedup"],
           [[k, v["acceptance_length"], v["tok_per_s"], v["plain_tok_per_s"], v["speedup_vs_plain"]]
            for k, v in record["humaneval"].items()])
+    save(record, args.out)
 
     depths = [int(d) for d in args.depths.split(",")]
     prompts = {d: depth_prompts(tok, d, args.per_depth) for d in depths}
@@ -150,6 +151,7 @@ def run(args) -> dict:
     table("AL by depth and feature window (a cap: change against the full window [95% interval over prompts], "
           "share of the target's 6-grams copied from beyond the cap)", ["depth"] + list(windows),
           [[d] + [_with_reach(record["depth"][w][d]) for w in windows] for d in depths])
+    save(record, args.out)
 
     record["dtype"] = {}
     for fmt in ("f32", "bf16", "q8_0", "q4_0"):

@@ -69,10 +69,16 @@ def table(title: str, columns: list[str], rows: list[list]) -> None:
     stdout.print(t)
 
 
-def finish(record: dict, out: str | None) -> dict:
-    """Write the record as JSON (if asked) and end stdout with it as one line."""
+def save(record: dict, out: str | None) -> None:
+    """Write the record as JSON, if asked: at the end, and by long benches after each part, so that a
+    part that fails (the sixteenth session's dtype sweep) does not take the finished ones with it."""
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(record, indent=2))
+
+
+def finish(record: dict, out: str | None) -> dict:
+    """Write the record as JSON (if asked) and end stdout with it as one line."""
+    save(record, out)
     print(json.dumps(record))
     return record
