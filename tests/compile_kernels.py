@@ -66,8 +66,10 @@ def model_kernels():
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
     from deepflash.models.rope_kernel import rope_and_write
 
-    for dtype in (torch.bfloat16, torch.float32):
-        heads, kv_heads, dim, t, slots = 9, 3, 64, 16, 512
+    # SmolLM2-135M's attention shape in both dtypes, Qwen3-8B's in bf16
+    for dtype, (heads, kv_heads, dim) in [(torch.bfloat16, (9, 3, 64)), (torch.float32, (9, 3, 64)),
+                                          (torch.bfloat16, (32, 8, 128))]:
+        t, slots = 16, 512
         k, v = (torch.zeros(1, kv_heads, slots, dim, dtype=dtype) for _ in range(2))
         decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
         x = torch.zeros(t, 576, dtype=dtype)
