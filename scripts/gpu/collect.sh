@@ -13,7 +13,7 @@ if [ -f $D/model.safetensors ]; then
   split -b 15000000 -d $D/model.safetensors "$OUT/drafter.part"
 fi
 # the run's own drafter where pick kept another: a later session can continue it (carried as
-# .stage/candidate, INIT_FROM=/root/stage/candidate); the sixteenth session's 5-layer one was lost so
+# .stage/candidate, INIT_FROM=/root/stage/candidate); without this the sixteenth session lost its 5-layer one
 C=/root/run/drafter
 if [ -f $C/model.safetensors ] && ! cmp -s $C/model.safetensors $D/model.safetensors; then
   cp $C/config.json "$OUT/candidate-config.json"
