@@ -11,15 +11,17 @@ from deepflash.features import storage_scale
 from deepflash.quant import row_format
 from deepflash.runtime import load_runtime
 
-depth = int(sys.argv[1])
-rt = load_runtime(EngineConfig(device="cpu", max_ctx=8192, spec="on"))
-target, drafter = rt.engine.target, rt.engine.drafter
-ids = depth_prompts(rt.tokenizer, depth, 1)[0]
-with torch.no_grad():
-    _, feats = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(1, 8192), len(ids),
-                      capture=drafter.cfg.target_layer_ids, logits="last")
-x = feats[0].float()
-weight = drafter.fc.weight.float()
+def depth_taps(depth):
+    """The embedded target's tap features over one depth prompt, and the shipped drafter (also used by
+    the sixteenth session's fused_row_error.py)."""
+    rt = load_runtime(EngineConfig(device="cpu", max_ctx=8192, spec="on"))
+    target, drafter = rt.engine.target, rt.engine.drafter
+    ids = depth_prompts(rt.tokenizer, depth, 1)[0]
+    with torch.no_grad():
+        _, feats = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(1, 8192), len(ids),
+                          capture=drafter.cfg.target_layer_ids, logits="last")
+    return feats[0].float(), drafter
+
 
 def hadamard(n):
     h = torch.ones(1, 1)
@@ -40,9 +42,12 @@ def err(fmt, scale, n=0):
     y = y / scale
     return round(float(((y - x) @ weight.T).norm() / (x @ weight.T).norm()), 4)
 
-s = storage_scale(drafter.fc.weight)
-one = torch.ones_like(s)
-rec = {"tokens": len(ids)}
-for fmt in ("q4_0", "q8_0"):
-    rec[fmt] = {"scaled": err(fmt, s), **{f"scaled+H{n}": err(fmt, s, n) for n in (32, 64)}, "unscaled+H32": err(fmt, one, 32)}
-print(json.dumps(rec))
+if __name__ == "__main__":
+    x, drafter = depth_taps(int(sys.argv[1]))
+    weight = drafter.fc.weight.float()
+    s = storage_scale(drafter.fc.weight)
+    one = torch.ones_like(s)
+    rec = {"tokens": x.shape[0]}
+    for fmt in ("q4_0", "q8_0"):
+        rec[fmt] = {"scaled": err(fmt, s), **{f"scaled+H{n}": err(fmt, s, n) for n in (32, 64)}, "unscaled+H32": err(fmt, one, 32)}
+    print(json.dumps(rec))

@@ -9,20 +9,14 @@ import sys
 
 import torch
 
-from deepflash.bench.prompts import depth_prompts
-from deepflash.config import EngineConfig
-from deepflash.features import storage_scale
-from deepflash.quant import row_format
-from deepflash.runtime import load_runtime
+sys.path.insert(0, "benchmarks/2026-12-01-cpu-session15")
+from hadamard_fc_error import depth_taps  # noqa: E402
 
-depth = int(sys.argv[1])
-rt = load_runtime(EngineConfig(device="cpu", max_ctx=8192, spec="on"))
-target, drafter = rt.engine.target, rt.engine.drafter
-ids = depth_prompts(rt.tokenizer, depth, 1)[0]
+from deepflash.features import storage_scale  # noqa: E402
+from deepflash.quant import row_format  # noqa: E402
+
+taps, drafter = depth_taps(int(sys.argv[1]))
 with torch.no_grad():
-    _, feats = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(1, 8192), len(ids),
-                      capture=drafter.cfg.target_layer_ids, logits="last")
-    taps = feats[0].float()
     weight = drafter.fc.weight.float()
     fused = taps @ weight.T
     scale = storage_scale(drafter.fc.weight)
@@ -38,7 +32,7 @@ def relative(error: torch.Tensor) -> float:
     return round(float(error.norm() / fused.norm()), 4)
 
 
-record = {"tokens": len(ids), "tap_width": taps.shape[1], "fused_width": fused.shape[1]}
+record = {"tokens": taps.shape[0], "tap_width": taps.shape[1], "fused_width": fused.shape[1]}
 for fmt in ("bf16", "q8_0", "q4_0"):
     f = row_format(fmt)
     record[fmt] = {"taps": relative(stored(fmt, taps, scale) @ weight.T - fused),
