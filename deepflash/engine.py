@@ -277,20 +277,19 @@ class Engine:
             # switching work, not a spec step's cost: counted as one it raised the break-even and turned
             # paying drafters off (BENCHMARKS.md, fourteenth session)
             switched = self._catch_up(seq, inflight, processed)
-            draft, verify = self.steps.draft, self.steps.verify
             timer.start("draft")
             # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
             # that many slots (a graph per bucket, as the verify)
-            captured = self.graphs.run(("draft", size, kv_len), lambda: draft(size, kv_len))
+            captured = self.graphs.run(("draft", size, kv_len), lambda: self.steps.draft(size, kv_len))
             timer.stop()
             timer.start("verify")
-            captured |= self.graphs.run(("verify", size, kv_len) + sampling, lambda: verify(size, kv_len, params))
+            captured |= self.graphs.run(("verify", size, kv_len) + sampling,
+                                        lambda: self.steps.verify(size, kv_len, params))
             timer.stop()
             kind = "spec"
         else:
             kv_len = kv_bucket(processed + 1, self.max_ctx)
-            plain = self.steps.plain
-            captured = self.graphs.run(("plain", kv_len) + sampling, lambda: plain(kv_len, params))
+            captured = self.graphs.run(("plain", kv_len) + sampling, lambda: self.steps.plain(kv_len, params))
             kind, size = "plain", 1
         for queued in inflight:
             # a capture delays every step in flight; a spec launch's host work (two graphs, the drafter's

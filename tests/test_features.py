@@ -122,8 +122,8 @@ def test_writes_never_touch_neighbouring_rows(fmt):
                     reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_compiled_ring_stores_and_decodes_the_same_bytes(fmt):
-    """The fused (torch.compile) ring kernels, `--ring-kernels compile`, are byte-identical to the eager one, for runs of any
-    length, wrapping included."""
+    """The fused (torch.compile) ring kernels, `--ring-kernels compile`, are byte-identical to the eager
+    ones, for runs of any length, wrapping included."""
     eager, fused = (FeatureRing(8, 64, row_format(fmt), "cpu", kernels=k) for k in ("torch", "compile"))
     end = 0
     for n in [5, 1, 11, 3]:

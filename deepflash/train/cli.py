@@ -7,6 +7,7 @@ import functools
 import json
 from pathlib import Path
 
+from ..drafter import STORAGES
 from ..errors import UserError
 from .prompts import SHORT_TASKS
 
@@ -78,7 +79,7 @@ def register(sub) -> None:
     train.add_argument("--norm-lr-scale", type=float, default=1.0,
                        help="learning rate of the norm gains relative to --lr (they start O(1) from where they "
                             "end up, and AdamW moves them by about lr per step)")
-    train.add_argument("--storage", choices=["bf16", "int8"],
+    train.add_argument("--storage", choices=list(STORAGES),
                        help="the exported drafter's matrices: bf16 (the z-lab format), or int8 codes with a "
                             "scale per row, half the bytes (deepflash reads both); default: as the --init-from "
                             "drafter stores them, else bf16")
@@ -87,7 +88,7 @@ def register(sub) -> None:
     export = steps.add_parser("export", help="export a run's latest checkpoint in the z-lab format")
     export.add_argument("--run", required=True)
     export.add_argument("--out", required=True)
-    export.add_argument("--storage", default="bf16", choices=["bf16", "int8"],
+    export.add_argument("--storage", default="bf16", choices=list(STORAGES),
                         help="the exported matrices: bf16, or int8 rows (see train --storage)")
     export.set_defaults(func=cmd_export)
 
