@@ -101,7 +101,9 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
     gen = torch.Generator().manual_seed(7)
     kv_heads, groups, dim, slots = 1, 3, 16, CHUNK * MERGE_TILE * 2 + 64  # spans of one and of several merge tiles
     k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    for first, tokens, span in [(5, 16, 32), (CHUNK * MERGE_TILE - 2, 4, slots)]:
+    # tiles of decode_kernel.ROWS query rows start at multiples of 4 positions (3 heads padded to 4):
+    # blocks across 5 tiles (16 tokens from 5) and part-filled ones (7 from 37)
+    for first, tokens, span in [(5, 16, 32), (37, 7, 64), (CHUNK * MERGE_TILE - 2, 4, slots)]:
         q = torch.randn(1, kv_heads * groups, tokens, dim, generator=gen).to(DEVICE, dtype)
         block = decode_attention(q, k, v, torch.arange(first, first + tokens, device=DEVICE), span)
         for i in range(tokens):
