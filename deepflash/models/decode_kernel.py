@@ -90,7 +90,7 @@ if triton is not None:
                GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr):
         bh = tl.program_id(0)  # b * KV_HEADS + kv head
         split = tl.program_id(2)
-        first = tl.load(positions)
+        first = tl.load(positions).to(tl.int32)  # positions in int32 from here: no 64-bit reductions
         r = tl.arange(0, TOKENS * GROUP_PAD)  # rows: the tile's positions, each with the kv head's query heads
         token = (first // TOKENS + tl.program_id(1)) * TOKENS + r // GROUP_PAD - first
         g = r % GROUP_PAD
@@ -100,7 +100,8 @@ if triton is not None:
         qv = tl.load(q + ((bh * GROUPS + g)[:, None] * T + token[:, None]) * DIM + d[None, :], mask=live[:, None],
                      other=0.0)
         # keys 0..last are visible to a row; a dead row sees none
-        last = tl.where(live, tl.minimum(tl.load(positions + token, mask=live, other=0), kv_len - 1), -1)
+        own = tl.load(positions + token, mask=live, other=0).to(tl.int32)
+        last = tl.where(live, tl.minimum(own, kv_len - 1), -1)
         seen_by_any = tl.max(last, axis=0)
         m = tl.full((TOKENS * GROUP_PAD,), -1e30, tl.float32)
         total = tl.zeros((TOKENS * GROUP_PAD,), tl.float32)
