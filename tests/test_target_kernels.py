@@ -87,7 +87,7 @@ def test_decode_attention_matches_sdpa(groups, dim, position, tokens, kv_len, dt
     keys, values = (c[:, :, :end].float().repeat_interleave(groups, dim=1) for c in (k, v))
     visible = torch.arange(end, device=DEVICE)[None, :] <= positions[:, None]
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), keys, values, attn_mask=visible)
-    close = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: its output's rounding
+    close = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: its output's rounding, the weights' in bf16
     torch.testing.assert_close(got.float(), want, rtol=close, atol=close)
 
 

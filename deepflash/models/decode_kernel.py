@@ -24,6 +24,7 @@ tests.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -49,6 +50,9 @@ ROWS = 16
 # prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session).
 MERGE_TILE = 256
 MERGE_DIMS = 16
+# Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
+# (tl.dot off by 1e10 against torch): there the products run in float32; the GPU keeps the tensor cores
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -67,7 +71,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial = torch.empty((b * kv_heads * t, splits, group_pad, dim + 2), dtype=torch.float32, device=q.device)
     _chunk[(b * kv_heads, tiles, splits)](
         q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len, k_cache.shape[2], 1.0 / math.sqrt(dim),
-        GROUPS=groups, GROUP_PAD=group_pad, TOKENS=tokens, DIM=dim, CHUNK=CHUNK, enable_fp_fusion=False)
+        GROUPS=groups, GROUP_PAD=group_pad, TOKENS=tokens, DIM=dim, CHUNK=CHUNK, UPCAST=INTERPRETED,
+        enable_fp_fusion=False)
     # written as [B, T, H, D], what the output projection reads: the caller's transpose back is then free,
     # where from [B, H, T, D] a verify step copied it in every layer (30 copy kernels per SmolLM2 step)
     out = torch.empty((b, t, heads, dim), dtype=q.dtype, device=q.device)
@@ -87,7 +92,8 @@ if triton is not None:
     # between binaries): one computation for every step size
     @triton.jit(do_not_specialize=["T"])
     def _chunk(q, k_cache, v_cache, positions, partial, T, kv_len, S, scale, GROUPS: tl.constexpr,
-               GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr):
+               GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr,
+               UPCAST: tl.constexpr):
         bh = tl.program_id(0)  # b * KV_HEADS + kv head
         split = tl.program_id(2)
         first = tl.load(positions).to(tl.int32)  # positions in int32 from here: no 64-bit reductions
@@ -116,6 +122,8 @@ if triton is not None:
             written = (n <= seen_by_any)[:, None]
             k = tl.load(k_cache + kv_offsets, mask=written, other=0.0)
             v = tl.load(v_cache + kv_offsets, mask=written, other=0.0)
+            if UPCAST:  # see INTERPRETED
+                qv, k, v = qv.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
             # float32 caches (the tests): products and sums in float32, where tf32 would round the inputs
             s = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale  # [rows, CHUNK]
             seen = n[None, :] <= last[:, None]
