@@ -259,7 +259,8 @@ class DrafterContext:
         groups = cfg.num_heads // cfg.num_kv_heads
         made: dict[tuple, torch.Tensor] = {}
         out = []
-        last = q_pos[-1:].repeat(q_pos.shape[0])  # the kernel reads positions by index: no stride-0 view
+        # each query's last visible key, for RingBlock; the kernel reads positions by index: no stride-0 view
+        last = q_pos[-1:].repeat(q_pos.shape[0]) if self.kernels == "triton" else None
         for i, (cap, slots) in enumerate(zip(self.caps, self._slots(span))):
             if self._on_kernel(i, span):
                 out.append(RingBlock(self.k[i], self.v[i], q_pos, last, span))
