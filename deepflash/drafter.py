@@ -9,6 +9,7 @@ block proposes the token at position start + k (same-position, not shifted); dra
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,11 +23,36 @@ from .models.layers import (MLP, FusedProjections, RMSNorm, Rotary, apply_rotary
                             fuse_linears)
 
 
+@dataclass
+class RingBlock:
+    """A draft's attention on the Triton decode-attention kernel (models/decode_kernel.py), which splits
+    the keys over many programs: SDPA gave each kv head's 48 folded block queries one program over the
+    whole context (~130 us per layer at 5.8K tokens, BENCHMARKS.md, sixteenth session). The block's K/V
+    go into the context ring at their positions' slots (spare ones: DrafterContext's slack; the verify's
+    append overwrites them), and every block query sees slots 0..the block's last position. Only where
+    position p sits in slot p and the window holds every position below the span, for bidirectional
+    full-attention layers (DrafterContext.masks decides)."""
+    k_ring: torch.Tensor  # [1, Hkv, cap, D]: the layer's whole ring (the kernel reads it by stride)
+    v_ring: torch.Tensor
+    slots: torch.Tensor  # the block's positions
+    last: torch.Tensor  # [T]: the block's last position, for each query
+    span: int  # slots the kernel considers
+
+    def attend(self, q, k, v):
+        from .models.decode_kernel import decode_attention
+
+        self.k_ring.index_copy_(2, self.slots, k)
+        self.v_ring.index_copy_(2, self.slots, v)
+        return decode_attention(q, self.k_ring, self.v_ring, self.last, self.span)
+
+
 def attend(q, ctx_k, ctx_v, k, v, mask):
     """Block queries q [b, H, T, D] over keys [context, block]: with an explicit mask already folded for
-    SDPA (fold_mask, as DrafterContext.masks gives them), or in training on CUDA a flex_attention
-    BlockMask, or in training's SDPA path query chunks (train/chunks.py), which never score the other
-    blocks' keys."""
+    SDPA (fold_mask, as DrafterContext.masks gives them), or a RingBlock (the same keys, on the decode
+    kernel), or in training on CUDA a flex_attention BlockMask, or in training's SDPA path query chunks
+    (train/chunks.py), which never score the other blocks' keys."""
+    if isinstance(mask, RingBlock):
+        return mask.attend(q, k, v)
     if isinstance(mask, torch.Tensor):
         keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         return attention(q, keys, values, mask)
@@ -175,10 +201,13 @@ class DrafterContext:
     The block's own K/V is computed per draft and never stored.
     """
 
-    def __init__(self, drafter: DFlashDrafter, window: int, slack: int = 0):
+    def __init__(self, drafter: DFlashDrafter, window: int, slack: int = 0, kernels: str = "torch"):
+        """kernels: 'triton' drafts full bidirectional layers on the decode-attention kernel (RingBlock)
+        where their ring allows it, 'torch' always with SDPA."""
         cfg = drafter.cfg
         self.drafter = drafter
         self.window = window
+        self.kernels = kernels
         self.caps = [min(window, cfg.layer_window(i) or window) + slack for i in range(cfg.num_layers)]
         dev, dt = drafter.device, drafter.dtype
         self.k = [torch.zeros((1, cfg.num_kv_heads, cap, cfg.head_dim), device=dev, dtype=dt) for cap in self.caps]
@@ -220,22 +249,36 @@ class DrafterContext:
         if features.shape[0]:
             self.append(torch.arange(start, start + features.shape[0], device=self.drafter.device), features)
 
-    def masks(self, q_pos: torch.Tensor, span: int | None = None) -> list[torch.Tensor]:
+    def masks(self, q_pos: torch.Tensor, span: int | None = None) -> list[torch.Tensor | RingBlock]:
         """Per layer the attention mask of a block at positions q_pos, folded for `attention` (fold_mask:
         additive, [groups * size, slots + size]): the committed context positions in [start - window,
         start) that the query may see (sliding: q - p < W), then the block's own keys. Layers alike
-        (capacity, window, causality) share one mask. slots: see `kv`."""
+        (capacity, window, causality) share one mask. slots: see `kv`. With Triton kernels a layer that
+        can draft on the decode kernel gets a RingBlock instead (_on_kernel)."""
         cfg = self.drafter.cfg
         groups = cfg.num_heads // cfg.num_kv_heads
         made: dict[tuple, torch.Tensor] = {}
         out = []
+        # each query's last visible key, for RingBlock; the kernel reads positions by index: no stride-0 view
+        last = q_pos[-1:].repeat(q_pos.shape[0]) if self.kernels == "triton" else None
         for i, (cap, slots) in enumerate(zip(self.caps, self._slots(span))):
+            if self._on_kernel(i, span):
+                out.append(RingBlock(self.k[i], self.v[i], q_pos, last, span))
+                continue
             key = (cap, cfg.layer_window(i), cfg.layer_is_causal(i))
             if key not in made:
                 visible = self._visible(self.tag_rings[cap][:slots], q_pos, *key[1:])
                 made[key] = fold_mask(visible, groups, self.drafter.dtype)
             out.append(made[key])
         return out
+
+    def _on_kernel(self, layer: int, span: int | None) -> bool:
+        """A RingBlock for this layer: Triton kernels asked for, a bidirectional full-attention layer, and
+        a span within the window (below it the ring has not wrapped, so position p sits in slot p, and
+        the window holds every position below the block)."""
+        cfg = self.drafter.cfg
+        return (self.kernels == "triton" and span is not None and span <= self.window
+                and cfg.layer_window(layer) is None and not cfg.layer_is_causal(layer))
 
     def _visible(self, tags: torch.Tensor, q_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
         """Boolean [size, slots + size]: the context slots, then the block's own keys (see masks)."""
@@ -256,6 +299,15 @@ class DrafterContext:
     def _slots(self, span: int | None) -> list[int]:
         """Slots each layer attends over: min(span, cap)."""
         return [cap if span is None else min(span, cap) for cap in self.caps]
+
+
+def drafter_kernels(target_kernels: str, device: torch.device) -> str:
+    """The drafter's attention kernels (DrafterContext): Triton's where the target's are asked to be,
+    and with 'auto' on CUDA where Triton is installed."""
+    from .models.rope_kernel import available
+
+    auto = device.type == "cuda" and available()
+    return "triton" if target_kernels == "triton" or (target_kernels == "auto" and auto) else "torch"
 
 
 def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch.Tensor,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .controller import SpecController
-from .drafter import DFlashDrafter, DrafterContext, validate_pair
+from .drafter import DFlashDrafter, DrafterContext, drafter_kernels, validate_pair
 from .errors import UserError
 from .features import FeatureStore, drafter_window, pick_ring_kernels, storage_scale
 from .graphs import StepGraphs, kv_bucket, prefill_pieces
@@ -137,7 +137,8 @@ class Engine:
                                     slack=self.block_size,
                                     kernels=pick_ring_kernels(ring_kernels, self.device),
                                     channel_scale=storage_scale(drafter.fc.weight))
-            context = DrafterContext(drafter, self.window, slack=self.block_size)
+            context = DrafterContext(drafter, self.window, slack=self.block_size,
+                                     kernels=drafter_kernels(target_kernels, drafter.device))
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
         # the tables cover the target's whole range, so that engines sharing a model share them
         target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)

@@ -2,18 +2,20 @@
 
 SDPA serves a decode step with cuDNN's flash kernel at 10-14 us per layer, 22% of the SmolLM2-135M-
 shaped step and 9% of the Qwen3-8B-shaped one (profile_step.py, BENCHMARKS.md). Here each program takes
-one query token of one key/value head's G query heads and one chunk of CHUNK keys, and keeps a running
-softmax over them in float32; a second kernel merges the chunks, one program per query head and slice
-of the head dims. Keys past the query's position (the rest of the CUDA-graph bucket, the block's later
-tokens) are skipped. Programs taking 4 query tokens one after another over the same keys made the
-verify step slower (6.5 against 5.0 ms at a 5.8K-token prompt, BENCHMARKS.md, tenth session).
+a tile of consecutive query positions (ROWS rows: positions x one key/value head's G query heads) and
+one chunk of CHUNK keys; scores and weighted values are matrix products, and a running softmax in
+float32 spans them; a second kernel merges the chunks, one program per query token, query head and
+slice of the head dims. Keys past every row's position (the rest of the CUDA-graph bucket) are skipped.
+Programs taking 4 query tokens one after another over the same keys made the verify step slower (6.5
+against 5.0 ms at a 5.8K-token prompt, BENCHMARKS.md, tenth session).
 
 A query's result does not depend on the cache span or on the other queries of its step, bit for bit:
-the chunks are fixed, each query runs the same instructions of one binary (T is not specialised), and
-the merge walks the chunks in fixed tiles, where a chunk past the query's position contributes exact
-zeros. So a verify step computes each of its tokens exactly as a one-token decode step at that
-position would, and greedy speculative decoding keeps matching plain decoding under bf16 rounding (with SDPA for the verify and this kernel for plain steps it did not: 1
-of 6 outputs equal, BENCHMARKS.md, sixth session).
+the chunks are fixed, each query runs the same instructions of one binary (T is not specialised) in
+the same row of its tile (tiles are aligned to positions), and the merge walks the chunks in fixed
+tiles, where a chunk past the query's position contributes exact zeros. So a verify step computes each
+of its tokens exactly as a one-token decode step at that position would, and greedy speculative
+decoding keeps matching plain decoding under bf16 rounding (with SDPA for the verify and this kernel
+for plain steps it did not: 1 of 6 outputs equal, BENCHMARKS.md, sixth session).
 
 Chosen with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it on the CPU for the
 tests.
@@ -22,6 +24,7 @@ tests.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -32,40 +35,54 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
 MAX_QUERIES = 64  # steps of at most this many tokens (decode, verify blocks) use the kernel; prefill uses SDPA
-CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over 48 programs per query
+CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over 16 programs per tile
+# Query rows per program, tl.dot's least: a tile of ROWS // GROUP_PAD consecutive positions, each with
+# the kv head's query heads (padded to a power of two). The scores and the weighted values are matrix
+# products on the tensor cores: a program per query token, summing products in registers, took 122 us
+# per layer for a 16-token verify at a 5.8K-token prompt against 12 for one token (depth profile,
+# sixteenth session), and 16 rows so summed saved only 13% of it. Tiles are aligned to positions (a
+# position's row is position % tokens per tile, whatever the step), since a matrix product's row may
+# round by where it sits in the tile (numpy's does, in the interpreter).
+ROWS = 16
 # The merge reduces MERGE_TILE chunks at once (8192 keys: one tile for the embedded target's whole window)
 # in a program per (query token, query head, MERGE_DIMS head dims). Its tiles run one after another, so
 # few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
 # prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session).
 MERGE_TILE = 256
 MERGE_DIMS = 16
-TILE = 8192  # score x value elements a program holds per loop iteration (query rows x keys x head dim)
+# Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
+# (tl.dot off by 1e10 against torch): there the products run in float32; the GPU keeps the tensor cores
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      kv_len: int) -> torch.Tensor:
     """q [B, H, T, D], caches [B, Hkv, S, D], positions [T]: each query's position (keys 0..position
-    are visible), kv_len the cache span to consider. Returns [B, H, T, D] (a view of [B, T, H, D])."""
+    are visible; a step's positions are consecutive), kv_len the cache span to consider. Returns
+    [B, H, T, D] (a view of [B, T, H, D])."""
     b, heads, t, dim = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
     splits = triton.cdiv(kv_len, CHUNK)
     group_pad = triton.next_power_of_2(groups)
-    rows = b * kv_heads * t  # one (query token, kv head) pair each
-    partial = torch.empty((rows, splits, group_pad, dim + 2), dtype=torch.float32, device=q.device)
-    block = min(CHUNK, max(16, TILE // (group_pad * dim)))  # keys per loop iteration
-    _chunk[(rows, splits)](q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len, k_cache.shape[2],
-                           1.0 / math.sqrt(dim), GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, CHUNK=CHUNK,
-                           BLOCK=block, enable_fp_fusion=False)
+    tokens = max(1, ROWS // group_pad)  # per tile
+    # tiles start at multiples of `tokens`: t tokens from any position fall in at most this many
+    tiles = (t + tokens - 2) // tokens + 1
+    partial = torch.empty((b * kv_heads * t, splits, group_pad, dim + 2), dtype=torch.float32, device=q.device)
+    _chunk[(b * kv_heads, tiles, splits)](
+        q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len, k_cache.shape[2], 1.0 / math.sqrt(dim),
+        GROUPS=groups, GROUP_PAD=group_pad, TOKENS=tokens, DIM=dim, CHUNK=CHUNK, UPCAST=INTERPRETED,
+        enable_fp_fusion=False)
     # written as [B, T, H, D], what the output projection reads: the caller's transpose back is then free,
     # where from [B, H, T, D] a verify step copied it in every layer (30 copy kernels per SmolLM2 step)
     out = torch.empty((b, t, heads, dim), dtype=q.dtype, device=q.device)
     # the merge's loop runs to the whole cache's tiles and skips those past `splits`: a constant bound (Triton's
     # interpreter, which the CPU tests use, cannot loop to a runtime bound under numpy 2), one binary per cache
     dims = min(MERGE_DIMS, dim)
-    _merge[(rows * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups, GROUP_PAD=group_pad,
-                                         DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
-                                         TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE), enable_fp_fusion=False)
+    _merge[(b * kv_heads * t * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups,
+                                                      GROUP_PAD=group_pad, DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
+                                                      TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE),
+                                                      enable_fp_fusion=False)
     return out.transpose(1, 2)
 
 
@@ -75,45 +92,53 @@ if triton is not None:
     # between binaries): one computation for every step size
     @triton.jit(do_not_specialize=["T"])
     def _chunk(q, k_cache, v_cache, positions, partial, T, kv_len, S, scale, GROUPS: tl.constexpr,
-               GROUP_PAD: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)  # (b * KV_HEADS + kv head) * T + query token
-        bh = row // T
-        token = row % T
-        split = tl.program_id(1)
-        g = tl.arange(0, GROUP_PAD)
+               GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr,
+               UPCAST: tl.constexpr):
+        bh = tl.program_id(0)  # b * KV_HEADS + kv head
+        split = tl.program_id(2)
+        first = tl.load(positions).to(tl.int32)  # positions in int32 from here: no 64-bit reductions
+        r = tl.arange(0, TOKENS * GROUP_PAD)  # rows: the tile's positions, each with the kv head's query heads
+        token = (first // TOKENS + tl.program_id(1)) * TOKENS + r // GROUP_PAD - first
+        g = r % GROUP_PAD
+        live = (token >= 0) & (token < T) & (g < GROUPS)
         d = tl.arange(0, DIM)
-        heads = g < GROUPS
         # q [B, H, T, D]: the kv head's query heads are consecutive, bh * GROUPS + g
-        qv = tl.load(q + ((bh * GROUPS + g)[:, None] * T + token) * DIM + d[None, :], mask=heads[:, None], other=0.0)
-        qv = qv.to(tl.float32) * scale
-        last = tl.minimum(tl.load(positions + token), kv_len - 1)  # keys 0..last are visible
-        m = tl.full((GROUP_PAD,), -1e30, tl.float32)
-        total = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
-        base = bh * S * DIM
-        for start in range(0, CHUNK, BLOCK):
-            # keys past the query's position (the rest of the bucket: on average a quarter of it, and the
-            # block's later tokens) would leave m, total and acc as they are: skip their loads and math
-            if split * CHUNK + start <= last:
-                n = split * CHUNK + start + tl.arange(0, BLOCK)
-                seen = n <= last
-                kv_offsets = base + n[:, None] * DIM + d[None, :]
-                k = tl.load(k_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
-                # V's load issued with K's, before the softmax that needs only K, so that the two memory
-                # round trips can overlap (written after the softmax, V's loads came after it in the PTX)
-                v = tl.load(v_cache + kv_offsets, mask=seen[:, None], other=0.0).to(tl.float32)
-                s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK]
-                s = tl.where(seen[None, :], s, -1e30)
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                p = tl.where(seen[None, :], tl.exp(s - m_new[:, None]), 0.0)
-                keep = tl.exp(m - m_new)
-                acc = acc * keep[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-                total = total * keep + tl.sum(p, axis=1)
-                m = m_new
-        out = partial + ((row * tl.num_programs(1) + split) * GROUP_PAD + g) * (DIM + 2)
-        tl.store(out[:, None] + d[None, :], acc)
-        tl.store(out + DIM, m)
-        tl.store(out + DIM + 1, total)
+        qv = tl.load(q + ((bh * GROUPS + g)[:, None] * T + token[:, None]) * DIM + d[None, :], mask=live[:, None],
+                     other=0.0)
+        # keys 0..last are visible to a row; a dead row sees none
+        own = tl.load(positions + token, mask=live, other=0).to(tl.int32)
+        last = tl.where(live, tl.minimum(own, kv_len - 1), -1)
+        seen_by_any = tl.max(last, axis=0)
+        m = tl.full((TOKENS * GROUP_PAD,), -1e30, tl.float32)
+        total = tl.zeros((TOKENS * GROUP_PAD,), tl.float32)
+        acc = tl.zeros((TOKENS * GROUP_PAD, DIM), tl.float32)
+        # keys past every row's position (the rest of the bucket: on average a quarter of it) are skipped;
+        # where some row sees them, a row that does not keeps m, total and acc exactly (its scores are
+        # -1e30, its weights 0 and its rescale exp(0) = 1), as if they were skipped
+        if split * CHUNK <= seen_by_any:
+            n = split * CHUNK + tl.arange(0, CHUNK)
+            kv_offsets = bh * S * DIM + n[:, None] * DIM + d[None, :]
+            # keys no row sees are never loaded: a slot not written yet may hold a NaN, and 0 x NaN is NaN
+            written = (n <= seen_by_any)[:, None]
+            k = tl.load(k_cache + kv_offsets, mask=written, other=0.0)
+            v = tl.load(v_cache + kv_offsets, mask=written, other=0.0)
+            if UPCAST:  # see INTERPRETED
+                qv, k, v = qv.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+            # float32 caches (the tests): products and sums in float32, where tf32 would round the inputs
+            s = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale  # [rows, CHUNK]
+            seen = n[None, :] <= last[:, None]
+            s = tl.where(seen, s, -1e30)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+            keep = tl.exp(m - m_new)
+            # the weights in the values' dtype for the product, as flash attention does
+            acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            total = total * keep + tl.sum(p, axis=1)
+            m = m_new
+        out = partial + (((bh * T + token) * tl.num_programs(2) + split) * GROUP_PAD + g) * (DIM + 2)
+        tl.store(out[:, None] + d[None, :], acc, mask=live[:, None])
+        tl.store(out + DIM, m, mask=live)
+        tl.store(out + DIM + 1, total, mask=live)
 
     @triton.jit(do_not_specialize=["T"])
     def _merge(partial, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
