@@ -19,40 +19,32 @@ from torch import nn
 
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .models.layers import (MLP, FusedProjections, RMSNorm, Rotary, apply_rotary, attention, fold_mask,
-                            fuse_linears)
+from .models.layers import (MLP, FusedProjections, RMSNorm, Rotary, apply_rotary, attention, final_norm,
+                            fold_mask, fuse_linears, fused_norm)
 
 
 @dataclass
 class RingBlock:
-    """A draft's attention on the Triton decode-attention kernel (models/decode_kernel.py), which splits
-    the keys over many programs: SDPA gave each kv head's 48 folded block queries one program over the
-    whole context (~130 us per layer at 5.8K tokens, BENCHMARKS.md, sixteenth session). The block's K/V
-    go into the context ring at their positions' slots (spare ones: DrafterContext's slack; the verify's
-    append overwrites them), and every block query sees slots 0..the block's last position. Only where
-    position p sits in slot p and the window holds every position below the span, for bidirectional
-    full-attention layers (DrafterContext.masks decides)."""
-    k_ring: torch.Tensor  # [1, Hkv, cap, D]: the layer's whole ring (the kernel reads it by stride)
+    """A draft's layer on the target's Triton kernels (DrafterLayer.ring_forward), its attention on the
+    decode-attention kernel (models/decode_kernel.py), which splits the keys over many programs: SDPA
+    gave each kv head's 48 folded block queries one program over the whole context (~130 us per layer at
+    5.8K tokens, BENCHMARKS.md, sixteenth session). The block's K/V go into the context ring at their
+    positions' slots (spare ones: DrafterContext's slack; the verify's append overwrites them), and every
+    block query sees slots 0..the block's last position. Only where position p sits in slot p and the
+    window holds every position below the span, for bidirectional full-attention layers
+    (DrafterContext.masks decides)."""
+    k_ring: torch.Tensor  # [1, Hkv, cap, D]: the layer's whole ring (the kernels read it by stride)
     v_ring: torch.Tensor
     slots: torch.Tensor  # the block's positions
     last: torch.Tensor  # [T]: the block's last position, for each query
     span: int  # slots the kernel considers
 
-    def attend(self, q, k, v):
-        from .models.decode_kernel import decode_attention
-
-        self.k_ring.index_copy_(2, self.slots, k)
-        self.v_ring.index_copy_(2, self.slots, v)
-        return decode_attention(q, self.k_ring, self.v_ring, self.last, self.span)
-
 
 def attend(q, ctx_k, ctx_v, k, v, mask):
     """Block queries q [b, H, T, D] over keys [context, block]: with an explicit mask already folded for
-    SDPA (fold_mask, as DrafterContext.masks gives them), or a RingBlock (the same keys, on the decode
-    kernel), or in training on CUDA a flex_attention BlockMask, or in training's SDPA path query chunks
-    (train/chunks.py), which never score the other blocks' keys."""
-    if isinstance(mask, RingBlock):
-        return mask.attend(q, k, v)
+    SDPA (fold_mask, as DrafterContext.masks gives them), or in training on CUDA a flex_attention
+    BlockMask, or in training's SDPA path query chunks (train/chunks.py), which never score the other
+    blocks' keys. (A RingBlock layer attends in DrafterAttention.ring_forward.)"""
     if isinstance(mask, torch.Tensor):
         keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         return attention(q, keys, values, mask)
@@ -106,6 +98,19 @@ class DrafterAttention(nn.Module):
         out = attend(q.transpose(1, 2), ctx_k, ctx_v, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def ring_forward(self, x, cos, sin, ring: RingBlock):
+        """forward on the Triton kernels: q/k norms, rope and the block's K/V write into the ring as one
+        kernel (models/rope_kernel.py, where torch ran ~12 per layer), then the decode attention over
+        slots 0..the block's last position. Fused projections only (load_drafter's form)."""
+        from .models.decode_kernel import decode_attention
+        from .models.rope_kernel import rope_and_write
+
+        b, t, _ = x.shape
+        q = rope_and_write(F.linear(x, *self.qkv), cos, sin, ring.slots, ring.k_ring, ring.v_ring, self.heads,
+                           self.kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        out = decode_attention(q, ring.k_ring, ring.v_ring, ring.last, ring.span)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
 
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
@@ -116,8 +121,21 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x: the block's hidden rows, or a RingBlock layer's (residual, pending MLP output)."""
+        if isinstance(mask, RingBlock):
+            return self.ring_forward(x, cos, sin, mask)
+        if isinstance(x, tuple):
+            x = x[0] + x[1]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def ring_forward(self, x, cos, sin, ring: RingBlock):
+        """On the target's Triton kernels, in llama.DecoderLayer.fused_forward's form: each residual add
+        inside the norm after it, silu(gate) * up as one kernel; hands on (residual, MLP output)."""
+        x, h = fused_norm(self.input_layernorm, x)
+        attn = self.self_attn.ring_forward(h, cos, sin, ring)
+        x, h = fused_norm(self.post_attention_layernorm, (x, attn))
+        return x, self.mlp.kernel_forward(h)
 
 
 class DFlashDrafter(FusedProjections):
@@ -156,7 +174,7 @@ class DFlashDrafter(FusedProjections):
         cos, sin = self.rotary(positions, x.dtype)
         for layer, (k, v), mask in zip(self.layers, ctx_kv, masks):
             x = layer(x, cos, sin, k, v, mask)
-        return self.norm(x)
+        return final_norm(self.norm, x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden.to(lm_head.weight.dtype))
@@ -202,8 +220,10 @@ class DrafterContext:
     """
 
     def __init__(self, drafter: DFlashDrafter, window: int, slack: int = 0, kernels: str = "torch"):
-        """kernels: 'triton' drafts full bidirectional layers on the decode-attention kernel (RingBlock)
-        where their ring allows it, 'torch' always with SDPA."""
+        """kernels: 'triton' drafts full bidirectional layers on the target's Triton kernels (RingBlock)
+        where their ring allows it, 'torch' always on torch's, with SDPA."""
+        if kernels == "triton" and not drafter.fused:
+            raise ValueError("a drafter drafts on Triton kernels in its fused form (load_drafter's)")
         cfg = drafter.cfg
         self.drafter = drafter
         self.window = window

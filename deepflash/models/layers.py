@@ -226,12 +226,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if self.kernels == "triton":  # silu(gate) * up as one kernel (layer_kernels.py)
-            from .layer_kernels import silu_mul
-
-            return self.down_proj(silu_mul(F.linear(x, *self.gate_up)))
+        if self.kernels == "triton":
+            return self.kernel_forward(x)
         gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused form with silu(gate) * up as one kernel (layer_kernels.py)."""
+        from .layer_kernels import silu_mul
+
+        return self.down_proj(silu_mul(F.linear(x, *self.gate_up)))
 
 
 class Experts(nn.Module):
