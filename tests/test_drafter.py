@@ -153,6 +153,8 @@ def test_fused_projections_draft_as_the_unfused_ones_and_survive_a_move():
     assert {layer.mlp.gate_up[0].dtype for layer in fused.layers} == {torch.float32}
     for got, ref in zip(draft_and_context(fused), want):
         torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="fused form"):  # RingBlock layers run the fused projections
+        DrafterContext(plain, 32, slack=6, kernels="triton")
 
 
 def test_save_load_round_trip(tmp_path):
