@@ -5,8 +5,14 @@
 set -euo pipefail
 mkdir -p /root/stage
 for part in .stage/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
-# token shards an earlier session generated (collect.sh), if carried: the chain then skips datagen
+# token shards an earlier session generated (collect.sh), if carried: the chain then skips datagen. Whole,
+# or as collect.sh's data.tgz.part* over several runs once the whole no longer fits beside the working
+# tree (each run joins the parts it has; the last one completes the file)
 [ -f .stage/data.tgz ] && cp .stage/data.tgz /root/stage/
+if ls .stage/data.tgz.part* >/dev/null 2>&1; then
+  cp .stage/data.tgz.part* /root/stage/
+  cat /root/stage/data.tgz.part* > /root/stage/data.tgz
+fi
 # a drafter an earlier session trained and did not ship (collect.sh), to continue: INIT_FROM=/root/stage/candidate
 [ -d .stage/candidate ] && rm -rf /root/stage/candidate && cp -r .stage/candidate /root/stage/candidate
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl
