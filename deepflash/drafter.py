@@ -321,13 +321,16 @@ class DrafterContext:
         return [cap if span is None else min(span, cap) for cap in self.caps]
 
 
-def drafter_kernels(target_kernels: str, device: torch.device) -> str:
-    """The drafter's attention kernels (DrafterContext): Triton's where the target's are asked to be,
-    and with 'auto' on CUDA where Triton is installed."""
+def drafter_kernels(target_kernels: str, drafter: DFlashDrafter) -> str:
+    """The drafter's kernels (DrafterContext): Triton's where the target's are asked to be, and with
+    'auto' on CUDA where Triton is installed; torch's for a head dim that is not a power of two, which
+    the kernels' tiles cannot take (the target's kernels, which the flag names, are chosen apart)."""
     from .models.rope_kernel import available
 
-    auto = device.type == "cuda" and available()
-    return "triton" if target_kernels == "triton" or (target_kernels == "auto" and auto) else "torch"
+    dim = drafter.cfg.head_dim
+    auto = drafter.device.type == "cuda" and available()
+    wanted = target_kernels == "triton" or (target_kernels == "auto" and auto)
+    return "triton" if wanted and dim & (dim - 1) == 0 else "torch"
 
 
 def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch.Tensor,

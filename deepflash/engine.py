@@ -138,7 +138,7 @@ class Engine:
                                     kernels=pick_ring_kernels(ring_kernels, self.device),
                                     channel_scale=storage_scale(drafter.fc.weight))
             context = DrafterContext(drafter, self.window, slack=self.block_size,
-                                     kernels=drafter_kernels(target_kernels, drafter.device))
+                                     kernels=drafter_kernels(target_kernels, drafter))
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
         # the tables cover the target's whole range, so that engines sharing a model share them
         target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepflash.config import DrafterConfig
-from deepflash.drafter import DrafterContext, load_drafter, save_drafter, validate_pair
+from deepflash.drafter import DrafterContext, drafter_kernels, load_drafter, save_drafter, validate_pair
 from deepflash.errors import UserError
 from helpers import drafter_config, tiny_drafter, tiny_target
 
@@ -155,6 +155,15 @@ def test_fused_projections_draft_as_the_unfused_ones_and_survive_a_move():
         torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="fused form"):  # RingBlock layers run the fused projections
         DrafterContext(plain, 32, slack=6, kernels="triton")
+
+
+def test_drafter_kernels_follow_the_targets_where_the_head_dim_allows():
+    """Triton's where the target's are asked for (on the CPU 'auto' means torch's); a head dim that is not
+    a power of two, which the kernels' tiles cannot take, keeps torch's."""
+    target = tiny_target()
+    fits, odd = (tiny_drafter(drafter_config(target.cfg, head_dim=dim)) for dim in (16, 24))
+    assert [drafter_kernels(k, fits) for k in ("triton", "auto", "torch")] == ["triton", "torch", "torch"]
+    assert drafter_kernels("triton", odd) == "torch"
 
 
 def test_save_load_round_trip(tmp_path):
