@@ -129,7 +129,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="feature-ring kernels (auto: triton on CUDA, else torch)")
     g.add_argument("--target-kernels", default="auto", choices=list(TARGET_KERNELS),
                    help="triton: fused q/k norm + rope + cache write, decode and verify attention, residual add + "
-                        "norm and SwiGLU in Triton (llama-family targets); auto: triton on CUDA, else torch")
+                        "norm and SwiGLU in Triton (llama-family targets); auto: triton on CUDA, else torch. "
+                        "The drafter's full layers follow (on CUDA with auto, for any target), where its head "
+                        "dim is a power of two")
 
 
 def _max_ctx(value: str) -> int | str:
