@@ -279,10 +279,11 @@ class DrafterContext:
         groups = cfg.num_heads // cfg.num_kv_heads
         made: dict[tuple, torch.Tensor] = {}
         out = []
+        on_kernel = [self._on_kernel(i, span) for i in range(cfg.num_layers)]
         # each query's last visible key, for RingBlock; the kernel reads positions by index: no stride-0 view
-        last = q_pos[-1:].repeat(q_pos.shape[0]) if self.kernels == "triton" else None
+        last = q_pos[-1:].repeat(q_pos.shape[0]) if any(on_kernel) else None
         for i, (cap, slots) in enumerate(zip(self.caps, self._slots(span))):
-            if self._on_kernel(i, span):
+            if on_kernel[i]:
                 out.append(RingBlock(self.k[i], self.v[i], q_pos, last, span))
                 continue
             key = (cap, cfg.layer_window(i), cfg.layer_is_causal(i))
