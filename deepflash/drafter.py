@@ -77,8 +77,18 @@ class DrafterAttention(nn.Module):
         """K (k_norm, rope at its own positions) and V of rows x [b, n, H] -> [b, Hkv, n, D] each."""
         if self.qkv is None:
             return self._keys_values(self.k_proj(x), self.v_proj(x), cos, sin)
-        kv_weight = self.qkv[0][self.heads * self.head_dim :]  # rows of k, then v: a contiguous slice
-        return self._keys_values(*F.linear(x, kv_weight).chunk(2, dim=-1), cos, sin)
+        return self._keys_values(*F.linear(x, self._kv_weight()).chunk(2, dim=-1), cos, sin)
+
+    def write_ring(self, x, cos, sin, slots, k_ring, v_ring) -> None:
+        """keys_values of rows x [1, n, H] written to ring slots [n] on the Triton kernel: k_norm, rope and
+        both writes as one rope_and_write with no query heads, where torch's form ran ~7 kernels."""
+        from .models.rope_kernel import rope_and_write
+
+        rope_and_write(F.linear(x, self._kv_weight()), cos, sin, slots, k_ring, v_ring, 0, self.kv_heads,
+                       self.k_norm.weight, self.k_norm.weight, self.k_norm.eps)
+
+    def _kv_weight(self) -> torch.Tensor:
+        return self.qkv[0][self.heads * self.head_dim :]  # rows of k, then v: a contiguous slice
 
     def _keys_values(self, k, v, cos, sin):
         b, n, _ = k.shape
@@ -221,7 +231,8 @@ class DrafterContext:
 
     def __init__(self, drafter: DFlashDrafter, window: int, slack: int = 0, kernels: str = "torch"):
         """kernels: 'triton' drafts full bidirectional layers on the target's Triton kernels (RingBlock)
-        where their ring allows it, 'torch' always on torch's, with SDPA."""
+        where their ring allows it, and writes the context K/V with them (append), 'torch' always on
+        torch's, with SDPA."""
         if kernels == "triton" and not drafter.fused:
             raise ValueError("a drafter drafts on Triton kernels in its fused form (load_drafter's)")
         cfg = drafter.cfg
@@ -250,15 +261,22 @@ class DrafterContext:
 
     def append(self, positions: torch.Tensor, features: torch.Tensor) -> None:
         """Features [n, F] of consecutive positions [n] -> fused -> each layer's K/V, scattered to its ring."""
-        kv = self.drafter.context_kv(self.drafter.fuse(features)[None], positions)
+        rows = self.drafter.fuse(features)[None]
         # a run longer than a ring keeps its newest rows
         kept = {cap: positions[-min(positions.shape[0], cap):] for cap in self.tag_rings}
         slots = {cap: run % cap for cap, run in kept.items()}
-        for i, (k, v) in enumerate(kv):
-            cap = self.caps[i]
-            keep = kept[cap].shape[0]
-            self.k[i].index_copy_(2, slots[cap], k[:, :, -keep:])
-            self.v[i].index_copy_(2, slots[cap], v[:, :, -keep:])
+        if self.kernels == "triton":
+            tables = {cap: self.drafter.rotary(run, rows.dtype) for cap, run in kept.items()}
+            for i, layer in enumerate(self.drafter.layers):
+                cap = self.caps[i]
+                layer.self_attn.write_ring(rows[:, -kept[cap].shape[0]:], *tables[cap], slots[cap], self.k[i],
+                                           self.v[i])
+        else:
+            for i, (k, v) in enumerate(self.drafter.context_kv(rows, positions)):
+                cap = self.caps[i]
+                keep = kept[cap].shape[0]
+                self.k[i].index_copy_(2, slots[cap], k[:, :, -keep:])
+                self.v[i].index_copy_(2, slots[cap], v[:, :, -keep:])
         for cap, tags in self.tag_rings.items():
             tags.index_copy_(0, slots[cap], kept[cap])
 

@@ -81,6 +81,8 @@ def model_kernels():
         gain = torch.ones(dim, dtype=dtype)
         for norm in (None, gain):
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, norm, norm, 1e-6)
+        # a drafter's context rows: K and V only (DrafterAttention.write_ring)
+        rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
 
 
 if __name__ == "__main__":

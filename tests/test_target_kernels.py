@@ -186,3 +186,25 @@ def test_a_draft_on_the_decode_kernel_equals_the_masked_one(sliding):
     torch.testing.assert_close(drafts["triton"], drafts["torch"], rtol=1e-4, atol=1e-4)
     narrow = DrafterContext(drafter, 16, slack=6, kernels="triton")  # a span past the window: masks only
     assert not any(isinstance(m, RingBlock) for m in narrow.masks(q_pos, 32))
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_context_rows_written_on_the_kernel_equal_torchs(sliding):
+    """DrafterContext.append on the Triton kernel (rope_and_write with no query heads) fills the rings as
+    torch's form does: runs that wrap the rings, a run longer than a ring (its newest rows kept), and
+    sliding layers' smaller rings."""
+    from helpers import drafter_config, tiny_drafter, tiny_target
+
+    from deepflash.drafter import DrafterContext
+
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(target.cfg, layers=2, sliding=sliding, window=4, block_size=6),
+                           dtype=torch.float32).to(DEVICE)
+    feats = torch.randn(40, drafter.fc.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    contexts = [DrafterContext(drafter, 12, slack=6, kernels=kernels) for kernels in ("torch", "triton")]
+    for lo, hi in [(0, 9), (9, 15), (15, 21), (21, 40)]:  # the last run is longer than every ring
+        for context in contexts:
+            context.append(torch.arange(lo, hi, device=DEVICE), feats[lo:hi])
+        for mine, theirs in zip(contexts[1].k + contexts[1].v + contexts[1].tags,
+                                contexts[0].k + contexts[0].v + contexts[0].tags):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
