@@ -102,14 +102,14 @@ def attention_sweep(plain: Engine, settings: str) -> dict:
     return results
 
 
-def depth_profile(plain: Engine) -> dict:
-    """Kernels per step after the 5.8K-token prompt (SmolLM2 shape, Triton kernels, eager), spec on with
-    the shipped drafter and plain: where a step's time goes at depth (the prompt's prefill is spread
-    over the 48 steps)."""
+def depth_profile(plain: Engine, prompt: list[int] = LONG_PROMPT, steps: int = 48) -> dict:
+    """Kernels per step after the prompt (SmolLM2 shape, Triton kernels, eager), spec on with the
+    shipped drafter and plain: where a step's time goes at that depth (the prompt's prefill is spread
+    over the steps)."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     engines = {"spec_on": sibling(plain, drafter, spec="on", target_kernels="triton", cuda_graphs=False, max_ctx=8192),
                "plain": sibling(plain, target_kernels="triton", cuda_graphs=False, max_ctx=8192)}
-    return {name: kernel_profile(engine, LONG_PROMPT, 48) for name, engine in engines.items()}
+    return {name: kernel_profile(engine, prompt, steps) for name, engine in engines.items()}
 
 
 def prefill_profile(plain: Engine, lengths: list[int]) -> dict:
@@ -166,6 +166,8 @@ def main():
                     help="only time decode attention with these keys per program (SmolLM2 shape), e.g. 32,16,64")
     ap.add_argument("--depth", action="store_true",
                     help="only the kernels of spec-on and plain steps after a 5.8K-token prompt (SmolLM2 shape)")
+    ap.add_argument("--short", action="store_true",
+                    help="only the kernels of spec-on and plain steps after a 256-token prompt (SmolLM2 shape)")
     args = ap.parse_args()
     prompt = list(range(100, 356))
     record = {}
@@ -178,11 +180,13 @@ def main():
     if args.attention_sweep:
         record.setdefault("smollm2-shaped", {})["attention_sweep"] = attention_sweep(
             random_engine(SMOLLM2, args.device), args.attention_sweep)
-    if args.depth:
-        record.setdefault("smollm2-shaped", {})["depth"] = depth_profile(random_engine(SMOLLM2, args.device))
-        for name, prof in record["smollm2-shaped"]["depth"].items():
-            print_top(f"{name} after 5.8K tokens: {prof['device_us_per_step']:.0f} us busy/step", prof["top"][:12])
-    alone = args.spec_only or args.prefill or args.attention_sweep or args.depth
+    for key, wanted, at, steps in (("depth", args.depth, LONG_PROMPT, 48), ("short", args.short, prompt, 64)):
+        if wanted:
+            record.setdefault("smollm2-shaped", {})[key] = depth_profile(random_engine(SMOLLM2, args.device), at, steps)
+            for name, prof in record["smollm2-shaped"][key].items():
+                print_top(f"{name} after {len(at)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
+                          prof["top"][:12])
+    alone = args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short
     shapes = [] if alone else [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
