@@ -82,9 +82,12 @@ def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, me
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_generate_data_refuses_a_doctest_fraction_outside_0_1(capsys, tmp_path):
-    code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path, "--doctest-fraction", "1.5")
-    assert code == 2 and "--doctest-fraction" in err and len(err.strip().splitlines()) == 1
+@pytest.mark.parametrize("shares,flag", [(("--doctest-fraction", "1.5"), "--doctest-fraction"),
+                                         (("--write-fraction", "-0.1"), "--write-fraction"),
+                                         (("--doctest-fraction", "0.6", "--write-fraction", "0.5"), "add up")])
+def test_generate_data_refuses_shares_outside_0_1(capsys, tmp_path, shares, flag):
+    code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path, *shares)
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
 
 
 def test_unsupported_architecture_exits_2(capsys, tmp_path):

