@@ -156,19 +156,25 @@ def test_task_weights_choose_the_kinds_of_short_tasks():
     assert len({short_task(rng, Path("m.py"), text).kind for _ in range(200)}) > 3  # uniform without weights
 
 
+DOCTEST = 'def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n    return y\n'
+
+
+def site_packages(tmp_path, monkeypatch, text_of):
+    """prompts with site-packages replaced by 40 files, file i holding text_of(i)."""
+    import deepflash.train.prompts as prompts
+
+    files = [tmp_path / f"m{i}.py" for i in range(40)]
+    for i, f in enumerate(files):
+        f.write_text(text_of(i))
+    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    return prompts
+
+
 def test_doctest_fraction_adds_humaneval_like_requests_and_keeps_the_other_prompts(tmp_path, monkeypatch):
     """A share of the tasks asks to complete functions whose docstrings carry doctest examples (at most
     two per file); the rest are the prompts the same seed gives without that share."""
-    import deepflash.train.prompts as prompts
-
     plain = 'def area(w, h):\n    """Area of a w x h rectangle."""\n    a = w * h\n    b = a\n    return b\n'
-    doctest = ('def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n'
-               '    return y\n')
-    files = []
-    for i in range(40):
-        files.append(tmp_path / f"m{i}.py")
-        files[-1].write_text(plain + "\n\n" + doctest * (3 if i % 4 == 0 else 0))
-    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    prompts = site_packages(tmp_path, monkeypatch, lambda i: plain + "\n\n" + DOCTEST * (3 if i % 4 == 0 else 0))
     before = prompts.training_tasks(12, long_fraction=0.0, seed=3)
     mixed = prompts.training_tasks(12, long_fraction=0.0, seed=3, doctest_fraction=0.25)
     doctests = [t for t in mixed if t.kind == "complete_doctest"]
@@ -183,19 +189,12 @@ def test_write_fraction_adds_requests_from_signatures_and_summaries(tmp_path, mo
     """A share of the tasks asks to write a public function from its signature (self dropped) and its
     docstring's first paragraph, at most two per file; the rest are the prompts the same seed gives
     without that share, and the doctest share still comes on top."""
-    import deepflash.train.prompts as prompts
-
     method = ('class Box:\n    def area(self, w: int, h: int = 2) -> int:\n        """Area of a w x h box, in units.\n\n'
               '        Longer notes.\n        """\n        a = w * h\n        b = a\n        return b\n')
     private = 'def _hidden(x):\n    """A private helper of this module."""\n    y = x\n    z = y\n    return z\n'
     terse = 'def tiny(x):\n    """Short."""\n    y = x\n    z = y\n    return z\n'
-    doctest = ('def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n'
-               '    return y\n')
-    files = []
-    for i in range(40):
-        files.append(tmp_path / f"m{i}.py")
-        files[-1].write_text("\n\n".join([private, terse, method * (3 if i % 2 else 0), doctest]))
-    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    prompts = site_packages(tmp_path, monkeypatch,
+                            lambda i: "\n\n".join([private, terse, method * (3 if i % 2 else 0), DOCTEST]))
     before = prompts.training_tasks(12, long_fraction=0.0, seed=3)
     mixed = prompts.training_tasks(12, long_fraction=0.0, seed=3, doctest_fraction=0.25, write_fraction=0.25)
     writes = [t for t in mixed if t.kind == "write"]
