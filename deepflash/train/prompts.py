@@ -229,7 +229,7 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
     return tasks + [task for made in extra.values() for task in made]
 
 
-DOCTESTS_PER_FILE = 2  # spread the doctest tasks over many packages
+PER_FILE = 2  # spread the doctest and write tasks over many packages
 
 
 def doctest_tasks(path: Path, text: str) -> list[Task]:
@@ -239,35 +239,37 @@ def doctest_tasks(path: Path, text: str) -> list[Task]:
     and they are about 1% of the draws otherwise."""
     if ">>>" not in text:  # spares parsing most files
         return []
-    out = []
-    for _, code, _ in functions(text):
-        header = _header(code)
-        if header is not None and ">>>" in header:
-            out.append(Task("complete_doctest", str(path),
-                            [{"role": "user", "content": SHORT_TASKS["complete"].format(header=header)}]))
-            if len(out) == DOCTESTS_PER_FILE:
-                break
-    return out
+    return _first_tasks(path, text, "complete_doctest", _doctest_request)
 
 
-WRITES_PER_FILE = 2
+def _doctest_request(name: str, code: str) -> str | None:
+    header = _header(code)
+    return SHORT_TASKS["complete"].format(header=header) if header is not None and ">>>" in header else None
+
+
 WRITE = "Write a Python function `{signature}`: {summary}"
 
 
 def write_tasks(path: Path, text: str) -> list[Task]:
     """"write" requests for the first public functions of `text` whose docstrings open with a one-
     paragraph summary (20-300 characters): their signature (without self or cls) and that summary."""
+    return _first_tasks(path, text, "write", _write_request)
+
+
+def _first_tasks(path: Path, text: str, kind: str, request) -> list[Task]:
+    """Tasks of `kind` for the first PER_FILE functions of `text` that request(name, code) words a
+    request for (None: not this one)."""
     out = []
     for name, code, _ in functions(text):
-        spec = _write_spec(name, code)
-        if spec is not None:
-            out.append(Task("write", str(path), [{"role": "user", "content": WRITE.format(**spec)}]))
-            if len(out) == WRITES_PER_FILE:
+        content = request(name, code)
+        if content is not None:
+            out.append(Task(kind, str(path), [{"role": "user", "content": content}]))
+            if len(out) == PER_FILE:
                 break
     return out
 
 
-def _write_spec(name: str, code: str) -> dict | None:
+def _write_request(name: str, code: str) -> str | None:
     if name.startswith("_"):
         return None
     try:
@@ -283,4 +285,4 @@ def _write_spec(name: str, code: str) -> dict | None:
     if first is not None and first.arg in ("self", "cls"):
         (args.posonlyargs or args.args).pop(0)
     returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    return {"signature": f"{name}({ast.unparse(args)}){returns}", "summary": summary}
+    return WRITE.format(signature=f"{name}({ast.unparse(args)}){returns}", summary=summary)

@@ -28,7 +28,7 @@ def main():
     plain, plain_outputs = measure(Engine(target, tok), prompts, SamplingParams(max_new_tokens=128))
     rows = {"plain": [plain["tok_per_s"]], "torch": [], "triton": []}
     for kernels in ("torch", "triton", "torch", "triton"):
-        engine_module.drafter_kernels = lambda target_kernels, device, kernels=kernels: kernels
+        engine_module.drafter_kernels = lambda target_kernels, drafter, kernels=kernels: kernels
         r, outputs = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128))
         rows[kernels].append({"acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"],
                               "draft_s": r["draft_s"], "verify_s": r["verify_s"],
