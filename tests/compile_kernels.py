@@ -63,12 +63,14 @@ def ring_kernels():
 
 def model_kernels():
     from deepflash.models.decode_kernel import decode_attention
+    from deepflash.models.gemv_kernel import norm_linear, silu_linear
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
     from deepflash.models.rope_kernel import rope_and_write
 
-    # SmolLM2-135M's attention shape in both dtypes, Qwen3-8B's in bf16
-    for dtype, (heads, kv_heads, dim) in [(torch.bfloat16, (9, 3, 64)), (torch.float32, (9, 3, 64)),
-                                          (torch.bfloat16, (32, 8, 128))]:
+    # SmolLM2-135M's shapes in both dtypes, Qwen3-8B's in bf16
+    for dtype, (heads, kv_heads, dim, hidden, inner) in [(torch.bfloat16, (9, 3, 64, 576, 1536)),
+                                                         (torch.float32, (9, 3, 64, 576, 1536)),
+                                                         (torch.bfloat16, (32, 8, 128, 4096, 12288))]:
         t, slots = 16, 512
         k, v = (torch.zeros(1, kv_heads, slots, dim, dtype=dtype) for _ in range(2))
         decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
@@ -81,6 +83,12 @@ def model_kernels():
         gain = torch.ones(dim, dtype=dtype)
         for norm in (None, gain):
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, norm, norm, 1e-6)
+        # a decode step's projections with their prologues (1-16 rows: one binary each)
+        h = torch.zeros(t, hidden, dtype=dtype)
+        qkv_weight = torch.zeros((heads + 2 * kv_heads) * dim, hidden, dtype=dtype)
+        norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
+        norm_linear(h, None, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
+        silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
 

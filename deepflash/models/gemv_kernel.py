@@ -1,0 +1,143 @@
+"""Projections of a few rows (decode and verify steps) with the small work before them fused in (Triton).
+
+A decode step multiplies 1-16 rows by each weight; the GEMM itself streams the weight, and what ran
+before it in a kernel of its own (the residual add + RMSNorm before the q/k/v and gate/up projections,
+silu(gate) * up before the down projection) cost a launch and a round trip through memory each: 3 of a
+fused layer's 9 kernels (profile_step.py, BENCHMARKS.md). Here every program recomputes that prologue
+for its slice of the reduction (the rows are a few KB, read from L2) and multiplies it with its
+BLOCK_N weight rows.
+
+Rows are a tile of 16 for the tensor-core product, padded with zeros: a row's result depends only on
+that row, bit for bit, whatever the number of rows, so a verify step projects each token exactly as a
+one-token decode step does (decode_kernel.py keeps the same property for attention). More rows than a
+tile (prefill) take torch's GEMM after the separate kernels (layers.norm_linear).
+
+Chosen with the target's other Triton kernels (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it
+on the CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode_kernel import INTERPRETED
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds do not bring Triton
+    triton = None
+
+TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
+MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/gemv_ab.py)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of weight rows, the smallest first: enough
+# programs to cover the SMs at every size (an H200 has 132). Tuned by scripts/gpu/gemv_bench.py.
+CONFIGS = ((4096, (16, 128, 4, 4)), (16384, (32, 128, 4, 4)), (None, (64, 128, 4, 4)))
+NORM, ADD_NORM, SILU = 0, 1, 2  # the prologue
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether x's rows go through these kernels (else torch's GEMM after the separate kernels)."""
+    return x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None,
+                total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s) * gain @ weight.T + bias) with s = x + delta (x when delta is None), rounded to
+    x's dtype before it is normalised and the normed rows rounded to the weight's dtype, as
+    layer_kernels.add_rms_norm and a GEMM after it do. `total`: where s goes (a feature tap reads it
+    there: layers.tap); a new tensor when None."""
+    if delta is None:
+        total = x  # nothing to add: the input is the residual stream
+    elif total is None:
+        total = torch.empty_like(x)
+    out = _launch(ADD_NORM if delta is not None else NORM, x, x if delta is None else delta, gain, total,
+                  weight, bias, x.shape[-1], eps)
+    return total, out
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T + bias of a fused gate/up projection's output [..., 2I] (gate
+    first), the product rounded to the weight's dtype as layer_kernels.silu_mul's output is."""
+    return _launch(SILU, gate_up, gate_up, weight, gate_up, weight, bias, gate_up.shape[-1] // 2, 0.0)
+
+
+def config(n: int) -> tuple[int, int, int, int]:
+    return next(c for limit, c in CONFIGS if limit is None or n <= limit)
+
+
+def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    assert rows <= TILE and weight.shape[1] == width and weight.is_contiguous(), (rows, weight.shape, width)
+    n = weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=weight.dtype, device=x.device)
+    upcast = weight.dtype == torch.float32 or INTERPRETED
+    block_n, block_k, warps, stages = config(n)
+    # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
+    block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
+    _gemv[(triton.cdiv(n, block_n),)](
+        x.contiguous(), delta.contiguous(), gain, total, weight, weight if bias is None else bias, out,
+        rows, n, eps, WIDTH=width, MODE=mode, HAS_BIAS=bias is not None,
+        UPCAST=upcast,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prologue(x, delta, gain, total, rows, r, k, inv_rms, WIDTH: tl.constexpr, MODE: tl.constexpr,
+                  OUT: tl.constexpr):
+        """Rows [16, BLOCK_K] of the projection's input at columns k, rounded to OUT."""
+        inside = (r < rows)[:, None] & (k < WIDTH)[None, :]
+        if MODE == 2:  # silu(gate) * up: gate at column k, up at WIDTH + k of a 2 * WIDTH row
+            at = r[:, None] * 2 * WIDTH + k[None, :]
+            gate = tl.load(x + at, mask=inside, other=0.0).to(tl.float32)
+            up = tl.load(x + at + WIDTH, mask=inside, other=0.0).to(tl.float32)
+            return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT)
+        at = r[:, None] * WIDTH + k[None, :]
+        s = tl.load(x + at, mask=inside, other=0.0)
+        if MODE == 1:
+            s = (s.to(tl.float32) + tl.load(delta + at, mask=inside, other=0.0).to(tl.float32)).to(
+                total.dtype.element_ty)
+        g = tl.load(gain + k, mask=k < WIDTH, other=0.0).to(tl.float32)
+        return (s.to(tl.float32) * inv_rms[:, None] * g[None, :]).to(OUT)
+
+    @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
+    def _gemv(x, delta, gain, total, weight, bias, out, rows, n, eps, WIDTH: tl.constexpr, MODE: tl.constexpr,
+              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        r = tl.arange(0, 16)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inv_rms = tl.zeros([16], dtype=tl.float32)
+        if MODE != 2:  # the norm's sum of squares first, over the whole row, in a fixed order
+            squares = tl.zeros([16], dtype=tl.float32)
+            for k0 in range(0, WIDTH, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                inside = (r < rows)[:, None] & (k < WIDTH)[None, :]
+                at = r[:, None] * WIDTH + k[None, :]
+                s = tl.load(x + at, mask=inside, other=0.0)
+                if MODE == 1:
+                    s = (s.to(tl.float32) + tl.load(delta + at, mask=inside, other=0.0).to(tl.float32)).to(
+                        total.dtype.element_ty)
+                    if tl.program_id(0) == 0:  # one program writes the sum for the layers after
+                        tl.store(total + at, s, mask=inside)
+                s = s.to(tl.float32)
+                squares += tl.sum(s * s, axis=1)
+            inv_rms = 1.0 / tl.sqrt(squares / WIDTH + eps)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, WIDTH, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = _prologue(x, delta, gain, total, rows, r, k, inv_rms, WIDTH, MODE, weight.dtype.element_ty)
+            w = tl.load(weight + cols[:, None] * WIDTH + k[None, :], mask=(cols < n)[:, None] & (k < WIDTH)[None, :],
+                        other=0.0)
+            if UPCAST:  # float32 weights (tf32 would round them), or bfloat16 in the interpreter (decode_kernel.py):
+                # products summed per row, where numpy's matrix product rounds a row by its place in the tile
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + r[:, None] * n + cols[None, :], acc.to(out.dtype.element_ty),
+                 mask=(r < rows)[:, None] & (cols < n)[None, :])

@@ -1,0 +1,59 @@
+"""A/B of the decode step's projections with their prologue fused in (models/gemv_kernel.py) against the
+separate kernels (gemv_kernel.MAX_ROWS = 0: every input takes the add + norm or silu * up kernel, then
+torch's GEMM). On the embedded pair (HumanEval prompts, greedy, 128 tokens): plain tok/s, spec-on tok/s,
+AL, outputs equal to the arm's plain outputs and to the first arm's; then the Qwen3-8B-shaped plain
+decode MBU. Arms alternate (separate, fused, separate, fused) so that run-to-run drift shows; each runs
+its prompts once untimed first. Prints and writes one JSON."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from deepflash.bench.accept import measure
+from deepflash.bench.common import copy_bandwidth, embedded_pair
+from deepflash.bench.prompts import humaneval_messages
+from deepflash.bench.speed import qwen3_8b_mbu
+from deepflash.drafter import load_drafter
+from deepflash.engine import Engine
+from deepflash.models import gemv_kernel
+from deepflash.sampling import SamplingParams
+
+ARMS = {"separate": 0, "fused": gemv_kernel.MAX_ROWS}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device)
+    target, tok = embedded_pair(args.device)
+    prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
+    drafter = load_drafter("deepflash/drafters/smollm2-135m", target.device, target.dtype)
+    params = SamplingParams(max_new_tokens=128)
+    rows: dict = {arm: [] for arm in ARMS}
+    first_outputs = None
+    for arm in ("separate", "fused", "separate", "fused"):
+        gemv_kernel.MAX_ROWS = ARMS[arm]
+        plain, plain_outputs = measure(Engine(target, tok), prompts, params)
+        spec, spec_outputs = measure(Engine(target, tok, drafter, spec="on"), prompts, params)
+        first_outputs = first_outputs or plain_outputs
+        rows[arm].append({"plain_tok_per_s": plain["tok_per_s"], "spec_tok_per_s": spec["tok_per_s"],
+                          "acceptance_length": spec["acceptance_length"], "draft_s": spec["draft_s"],
+                          "verify_s": spec["verify_s"],
+                          "spec_same_as_plain": sum(a == b for a, b in zip(spec_outputs, plain_outputs)),
+                          "plain_same_as_first_arm": sum(a == b for a, b in zip(plain_outputs, first_outputs)),
+                          "qwen3_8b_mbu": qwen3_8b_mbu(device, bandwidth)})
+        print(arm, json.dumps(rows[arm][-1]), flush=True)
+    gemv_kernel.MAX_ROWS = ARMS["fused"]
+    print(json.dumps(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
