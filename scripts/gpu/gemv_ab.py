@@ -5,17 +5,14 @@ AL, outputs equal to the arm's plain outputs and to the first arm's; then the Qw
 decode MBU. Arms alternate (separate, fused, separate, fused) so that run-to-run drift shows; each runs
 its prompts once untimed first. Prints and writes one JSON."""
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
+from ab_setup import embedded_ab, report
 
 from deepflash.bench.accept import measure
-from deepflash.bench.common import copy_bandwidth, embedded_pair
-from deepflash.bench.prompts import humaneval_messages
+from deepflash.bench.common import copy_bandwidth
 from deepflash.bench.speed import qwen3_8b_mbu
-from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
 from deepflash.models import gemv_kernel
 from deepflash.sampling import SamplingParams
@@ -24,16 +21,9 @@ ARMS = {"separate": 0, "fused": gemv_kernel.MAX_ROWS}
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=24)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args, target, tok, prompts, drafter = embedded_ab(__doc__)
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device)
-    target, tok = embedded_pair(args.device)
-    prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
-    drafter = load_drafter("deepflash/drafters/smollm2-135m", target.device, target.dtype)
     params = SamplingParams(max_new_tokens=128)
     rows: dict = {arm: [] for arm in ARMS}
     first_outputs = None
@@ -50,9 +40,7 @@ def main():
                           "qwen3_8b_mbu": qwen3_8b_mbu(device, bandwidth)})
         print(arm, json.dumps(rows[arm][-1]), flush=True)
     gemv_kernel.MAX_ROWS = ARMS["fused"]
-    print(json.dumps(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    report(rows, args.out)
 
 
 if __name__ == "__main__":
