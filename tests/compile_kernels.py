@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"}
+OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_pdl"}
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
          torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 compiled = []
@@ -63,7 +63,8 @@ def ring_kernels():
 
 def model_kernels():
     from deepflash.models.decode_kernel import decode_attention
-    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+    from deepflash.models import gemv_kernel
+    from deepflash.models.gemv_kernel import norm_linear, pdl, silu_linear
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
     from deepflash.models.rope_kernel import rope_and_write
 
@@ -89,6 +90,10 @@ def model_kernels():
         norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
         norm_linear(h, None, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
         silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
+        if dtype == torch.bfloat16 and hidden == 576:  # launched as a dependent (PDL), as on a Hopper GPU
+            gemv_kernel.pdl = lambda device: True
+            silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
+            gemv_kernel.pdl = pdl
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
 
