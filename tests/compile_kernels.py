@@ -63,8 +63,9 @@ def ring_kernels():
 
 def model_kernels():
     from deepflash.models.decode_kernel import decode_attention
-    from deepflash.models import gemv_kernel
-    from deepflash.models.gemv_kernel import norm_linear, pdl, silu_linear
+    from deepflash.models import pdl
+    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+    from deepflash.models.pdl import dependent
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
     from deepflash.models.rope_kernel import rope_and_write
 
@@ -90,10 +91,12 @@ def model_kernels():
         norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
         norm_linear(h, None, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
         silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
-        if dtype == torch.bfloat16 and hidden == 576:  # launched as a dependent (PDL), as on a Hopper GPU
-            gemv_kernel.pdl = lambda device: True
+        if dtype == torch.bfloat16 and hidden == 576:  # launched as dependents (pdl.py), as on a Hopper GPU
+            pdl.dependent = lambda device: True
             silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
-            gemv_kernel.pdl = pdl
+            rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, None, None, 1e-6)
+            decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
+            pdl.dependent = dependent
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
 

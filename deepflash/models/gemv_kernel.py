@@ -18,10 +18,9 @@ on the CPU for the tests.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from . import pdl
 from .decode_kernel import INTERPRETED
 
 try:
@@ -37,11 +36,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # programs to cover the SMs at every size (an H200 has 132). Tuned by scripts/gpu/gemv_bench.py.
 CONFIGS = ((4096, (16, 128, 4, 4)), (16384, (32, 128, 4, 4)), (None, (64, 128, 4, 4)))
 NORM, ADD_NORM, SILU = 0, 1, 2  # the prologue
-# Programmatic dependent launch (Hopper and later): a projection launched so may start while the kernel
-# before it finishes; it waits on the device (gdc_wait) before it reads or writes anything, so only the
-# launch and the start of its programs overlap the previous kernel's tail. Off until
-# scripts/gpu/gemv_ab.py has measured it.
-PDL = False
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -71,15 +65,6 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _launch(SILU, gate_up, gate_up, weight, gate_up, weight, bias, gate_up.shape[-1] // 2, 0.0)
 
 
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl(device: torch.device) -> bool:
-    return PDL and not INTERPRETED and _hopper(device)
-
-
 def config(n: int) -> tuple[int, int, int, int]:
     return next(c for limit, c in CONFIGS if limit is None or n <= limit)
 
@@ -93,7 +78,7 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     block_n, block_k, warps, stages = config(n)
     # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
     block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
-    dependent = pdl(x.device)
+    dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
     _gemv[(triton.cdiv(n, block_n),)](
         x.contiguous(), delta.contiguous(), gain, total, weight, weight if bias is None else bias, out,
         rows, n, eps, WIDTH=width, MODE=mode, HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent,
@@ -125,7 +110,7 @@ if triton is not None:
     def _gemv(x, delta, gain, total, weight, bias, out, rows, n, eps, WIDTH: tl.constexpr, MODE: tl.constexpr,
               HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
-        if GDC:  # launched early (PDL): the kernel before must have finished and flushed its writes
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
             tl.extra.cuda.gdc_wait()
         r = tl.arange(0, 16)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,7 +141,7 @@ if triton is not None:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             else:
                 acc += tl.dot(a, tl.trans(w))
-        if GDC:  # the next kernel may launch now (it waits for this one's end before it reads)
+        if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
             tl.extra.cuda.gdc_launch_dependents()
         if HAS_BIAS:
             acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
