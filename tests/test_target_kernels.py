@@ -124,12 +124,22 @@ def projection_inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
                 weight=make(out, width, scale=0.2), bias=make(out), gate_up=make(rows, 2 * width))
 
 
+# programs per SM for gemv_kernel's split of the reduction: on the CPU (1 "SM") the tests' 3 reduction
+# steps over 3 column blocks take 1, 2 and 3 slices
+WAVES = [0, 4, 64]
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype):
+@pytest.mark.parametrize("waves", WAVES)
+def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, monkeypatch):
     """gemv_kernel's add + norm + projection and silu * up + projection against layer_kernels' separate
-    kernels and a float32 GEMM on their output; the sum is written where it is asked for."""
+    kernels and a float32 GEMM on their output, with the reduction whole or split; the sum is written
+    where it is asked for."""
+    from deepflash.models import gemv_kernel
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
+
+    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
 
     a = projection_inputs(rows, dtype)
@@ -150,10 +160,14 @@ def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_projected_row_does_not_depend_on_the_other_rows(dtype):
+@pytest.mark.parametrize("waves", WAVES)
+def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, monkeypatch):
     """Each row of a 16-row projection equals, bit for bit, the same row projected alone or among 5: a
-    verify step's projections compute each token exactly as a one-token decode step's."""
+    verify step's projections compute each token exactly as a one-token decode step's, whole or split."""
+    from deepflash.models import gemv_kernel
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
+
+    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
 
     a = projection_inputs(16, dtype, seed=3)
     calls = {"add + norm": lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
