@@ -41,18 +41,25 @@ except ImportError:  # torch's CPU builds do not bring Triton
 
 TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
 MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/gemv_ab.py)
+# Larger weights take torch's GEMM: it streams them at 0.7-0.99 of the copy bandwidth where these
+# kernels reached 0.13-0.33 (Qwen3-8B's projections, 48-192 MB); up to SmolLM2-135M's 3.4 MB the time
+# is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
+MAX_WEIGHT_BYTES = 8 << 20
 DTYPES = (torch.bfloat16, torch.float32)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of weight rows, the smallest first. Tuned by
-# scripts/gpu/gemv_bench.py.
-CONFIGS = ((4096, (16, 128, 4, 4)), (16384, (32, 128, 4, 4)), (None, (64, 128, 4, 4)))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of weight rows, the smallest first: 64x64x4x6
+# was the fastest of seven on SmolLM2-135M's projections (scripts/gpu/gemv_bench.py, nineteenth session).
+CONFIGS = ((None, (64, 64, 4, 6)),)
 WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
 MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
 NORM, ADD_NORM, SILU = 0, 1, 2  # the prologue
 
 
-def fits(x: torch.Tensor) -> bool:
-    """Whether x's rows go through these kernels (else torch's GEMM after the separate kernels)."""
-    return x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows and the weight go through these kernels (else torch's GEMM after the separate
+    kernels). Never decided by the number of rows within a tile: a verify step must project as a
+    decode step does."""
+    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES
+            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor, eps: float,

@@ -67,7 +67,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
     from . import gemv_kernel  # imports Triton: only where it is used
 
     residual = x.residual if isinstance(x, Pending) else x
-    if not gemv_kernel.fits(residual):
+    if not gemv_kernel.fits(residual, weight):
         residual, hidden = fused_norm(norm, x)
         return residual, F.linear(hidden, weight, bias)
     if isinstance(x, Pending):
@@ -257,7 +257,7 @@ class MLP(nn.Module):
         from . import gemv_kernel
         from .layer_kernels import silu_mul
 
-        if gemv_kernel.fits(gate_up):
+        if gemv_kernel.fits(gate_up, self.down_proj.weight):
             return gemv_kernel.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(silu_mul(gate_up))
 
