@@ -19,8 +19,8 @@ from torch import nn
 
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .models.layers import (MLP, FusedProjections, RMSNorm, Rotary, apply_rotary, attention, final_norm,
-                            fold_mask, fuse_linears, fused_norm)
+from .models.layers import (MLP, FusedProjections, Pending, RMSNorm, Rotary, apply_rotary, attention, final_norm,
+                            fold_mask, fuse_linears, norm_linear)
 
 
 @dataclass
@@ -108,15 +108,16 @@ class DrafterAttention(nn.Module):
         out = attend(q.transpose(1, 2), ctx_k, ctx_v, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def ring_forward(self, x, cos, sin, ring: RingBlock):
-        """forward on the Triton kernels: q/k norms, rope and the block's K/V write into the ring as one
-        kernel (models/rope_kernel.py, where torch ran ~12 per layer), then the decode attention over
-        slots 0..the block's last position. Fused projections only (load_drafter's form)."""
+    def ring_forward(self, qkv, cos, sin, ring: RingBlock):
+        """forward on the Triton kernels from the fused q/k/v projection's output (DrafterLayer.
+        ring_forward projects inside its norm's kernel): q/k norms, rope and the block's K/V write into
+        the ring as one kernel (models/rope_kernel.py, where torch ran ~12 per layer), then the decode
+        attention over slots 0..the block's last position. Fused projections only (load_drafter's form)."""
         from .models.decode_kernel import decode_attention
         from .models.rope_kernel import rope_and_write
 
-        b, t, _ = x.shape
-        q = rope_and_write(F.linear(x, *self.qkv), cos, sin, ring.slots, ring.k_ring, ring.v_ring, self.heads,
+        b, t, _ = qkv.shape
+        q = rope_and_write(qkv, cos, sin, ring.slots, ring.k_ring, ring.v_ring, self.heads,
                            self.kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = decode_attention(q, ring.k_ring, ring.v_ring, ring.last, ring.span)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -131,21 +132,22 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x: the block's hidden rows, or a RingBlock layer's (residual, pending MLP output)."""
+        """x: the block's hidden rows, or a RingBlock layer's Pending output."""
         if isinstance(mask, RingBlock):
             return self.ring_forward(x, cos, sin, mask)
-        if isinstance(x, tuple):
-            x = x[0] + x[1]
+        if isinstance(x, Pending):
+            x = x.residual + x.delta
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def ring_forward(self, x, cos, sin, ring: RingBlock):
         """On the target's Triton kernels, in llama.DecoderLayer.fused_forward's form: each residual add
-        inside the norm after it, silu(gate) * up as one kernel; hands on (residual, MLP output)."""
-        x, h = fused_norm(self.input_layernorm, x)
-        attn = self.self_attn.ring_forward(h, cos, sin, ring)
-        x, h = fused_norm(self.post_attention_layernorm, (x, attn))
-        return x, self.mlp.kernel_forward(h)
+        and norm inside the projection after it, silu(gate) * up inside the down projection; hands on a
+        Pending output."""
+        x, qkv = norm_linear(self.input_layernorm, x, *self.self_attn.qkv)
+        attn = self.self_attn.ring_forward(qkv, cos, sin, ring)
+        x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, attn), *self.mlp.gate_up)
+        return Pending(x, self.mlp.down(gate_up))
 
 
 class DFlashDrafter(FusedProjections):

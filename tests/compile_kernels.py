@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"}
+OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_pdl"}
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
          torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 compiled = []
@@ -63,12 +63,16 @@ def ring_kernels():
 
 def model_kernels():
     from deepflash.models.decode_kernel import decode_attention
+    from deepflash.models import pdl
+    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+    from deepflash.models.pdl import dependent
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
     from deepflash.models.rope_kernel import rope_and_write
 
-    # SmolLM2-135M's attention shape in both dtypes, Qwen3-8B's in bf16
-    for dtype, (heads, kv_heads, dim) in [(torch.bfloat16, (9, 3, 64)), (torch.float32, (9, 3, 64)),
-                                          (torch.bfloat16, (32, 8, 128))]:
+    # SmolLM2-135M's shapes in both dtypes, Qwen3-8B's in bf16
+    for dtype, (heads, kv_heads, dim, hidden, inner) in [(torch.bfloat16, (9, 3, 64, 576, 1536)),
+                                                         (torch.float32, (9, 3, 64, 576, 1536)),
+                                                         (torch.bfloat16, (32, 8, 128, 4096, 12288))]:
         t, slots = 16, 512
         k, v = (torch.zeros(1, kv_heads, slots, dim, dtype=dtype) for _ in range(2))
         decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
@@ -81,11 +85,26 @@ def model_kernels():
         gain = torch.ones(dim, dtype=dtype)
         for norm in (None, gain):
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, norm, norm, 1e-6)
+        # a decode step's projections with their prologues (1-16 rows: one binary each)
+        h = torch.zeros(t, hidden, dtype=dtype)
+        qkv_weight = torch.zeros((heads + 2 * kv_heads) * dim, hidden, dtype=dtype)
+        norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
+        norm_linear(h, None, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
+        silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
+        if dtype == torch.bfloat16 and hidden == 576:  # launched as dependents (pdl.py), as on a Hopper GPU
+            pdl.dependent = lambda device: True
+            silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
+            rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, None, None, 1e-6)
+            decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
+            pdl.dependent = dependent
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
 
 
 if __name__ == "__main__":
     JITFunction.run = compile_instead
+    from deepflash.models import gemv_kernel
+
+    gemv_kernel._sms = lambda device: 132  # an H200's SMs: the projections' reductions split as there
     {"rings": ring_kernels, "model": model_kernels}[sys.argv[1]]()
     print("\n".join(compiled))

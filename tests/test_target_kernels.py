@@ -112,6 +112,74 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
             assert torch.equal(block[:, :, i : i + 1], alone), (first, i)
 
 
+def projection_inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """A layer's input pair, norm gain and a projection (widths off the kernels' blocks: 72 in, 40 out)."""
+    gen = torch.Generator().manual_seed(seed)
+    width, out = 72, 40
+
+    def make(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+    return dict(x=make(rows, width), delta=make(rows, width), gain=make(width, scale=0.3) + 1,
+                weight=make(out, width, scale=0.2), bias=make(out), gate_up=make(rows, 2 * width))
+
+
+# programs per SM for gemv_kernel's split of the reduction: on the CPU (1 "SM") the tests' 3 reduction
+# steps over one column block take 1, 2 and 3 slices
+WAVES = [0, 2, 64]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("waves", WAVES)
+def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, monkeypatch):
+    """gemv_kernel's add + norm + projection and silu * up + projection against layer_kernels' separate
+    kernels and a float32 GEMM on their output, with the reduction whole or split; the sum is written
+    where it is asked for."""
+    from deepflash.models import gemv_kernel
+    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+
+    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
+    from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+
+    a = projection_inputs(rows, dtype)
+
+    def linear(h, bias=None):
+        return torch.nn.functional.linear(h.float(), a["weight"].float(), None if bias is None else bias.float())
+
+    close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=4e-2)  # bf16 rounding
+    total = torch.full_like(a["x"], float("nan"))
+    summed, out = norm_linear(a["x"], a["delta"], a["gain"], 1e-6, a["weight"], a["bias"], total)
+    want_sum, normed = add_rms_norm(a["x"], a["delta"], a["gain"], 1e-6)
+    assert summed is total and torch.equal(total, want_sum)
+    torch.testing.assert_close(out.float(), linear(normed, a["bias"]), **close)
+    summed, out = norm_linear(a["x"], None, a["gain"], 1e-6, a["weight"])
+    assert summed is a["x"]
+    torch.testing.assert_close(out.float(), linear(add_rms_norm(a["x"], None, a["gain"], 1e-6)[1]), **close)
+    torch.testing.assert_close(silu_linear(a["gate_up"], a["weight"]).float(), linear(silu_mul(a["gate_up"])), **close)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("waves", WAVES)
+def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, monkeypatch):
+    """Each row of a 16-row projection equals, bit for bit, the same row projected alone or among 5: a
+    verify step's projections compute each token exactly as a one-token decode step's, whole or split."""
+    from deepflash.models import gemv_kernel
+    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+
+    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
+
+    a = projection_inputs(16, dtype, seed=3)
+    calls = {"add + norm": lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
+             "norm": lambda sl: norm_linear(a["x"][sl], None, a["gain"], 1e-6, a["weight"])[1],
+             "silu": lambda sl: silu_linear(a["gate_up"][sl], a["weight"])}
+    for name, call in calls.items():
+        block = call(slice(0, 16))
+        assert torch.equal(call(slice(4, 9)), block[4:9]), name
+        for i in (0, 9, 15):
+            assert torch.equal(call(slice(i, i + 1)), block[i : i + 1]), (name, i)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     """Greedy speculative == greedy plain with the target on its Triton kernels (on the GPU also under
@@ -134,7 +202,7 @@ def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     assert spec.token_ids == plain.token_ids
     if dtype == torch.float32:
         torch_plain = Engine(target, tokenizer, target_kernels="torch").complete(ids, params)
-        assert target.model.layers[0].self_attn.kernels == "torch"  # the last request's engine set it
+        assert target.model.layers[0].kernels == "torch"  # the last request's engine set it
         assert torch_plain.token_ids == plain.token_ids
 
 

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -69,10 +71,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # tiles start at multiples of `tokens`: t tokens from any position fall in at most this many
     tiles = (t + tokens - 2) // tokens + 1
     partial = torch.empty((b * kv_heads * t, splits, group_pad, dim + 2), dtype=torch.float32, device=q.device)
+    dependent = pdl.dependent(q.device)  # programmatic dependent launches (pdl.py)
     _chunk[(b * kv_heads, tiles, splits)](
         q.contiguous(), k_cache, v_cache, positions, partial, t, kv_len, k_cache.shape[2], 1.0 / math.sqrt(dim),
-        GROUPS=groups, GROUP_PAD=group_pad, TOKENS=tokens, DIM=dim, CHUNK=CHUNK, UPCAST=INTERPRETED,
-        enable_fp_fusion=False)
+        GROUPS=groups, GROUP_PAD=group_pad, TOKENS=tokens, DIM=dim, CHUNK=CHUNK, UPCAST=INTERPRETED, GDC=dependent,
+        enable_fp_fusion=False, launch_pdl=dependent)
     # written as [B, T, H, D], what the output projection reads: the caller's transpose back is then free,
     # where from [B, H, T, D] a verify step copied it in every layer (30 copy kernels per SmolLM2 step)
     out = torch.empty((b, t, heads, dim), dtype=q.dtype, device=q.device)
@@ -82,7 +85,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _merge[(b * kv_heads * t * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups,
                                                       GROUP_PAD=group_pad, DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
                                                       TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE),
-                                                      enable_fp_fusion=False)
+                                                      GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent)
     return out.transpose(1, 2)
 
 
@@ -93,7 +96,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _chunk(q, k_cache, v_cache, positions, partial, T, kv_len, S, scale, GROUPS: tl.constexpr,
                GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr,
-               UPCAST: tl.constexpr):
+               UPCAST: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
+            tl.extra.cuda.gdc_wait()
         bh = tl.program_id(0)  # b * KV_HEADS + kv head
         split = tl.program_id(2)
         first = tl.load(positions).to(tl.int32)  # positions in int32 from here: no 64-bit reductions
@@ -135,6 +140,8 @@ if triton is not None:
             acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             total = total * keep + tl.sum(p, axis=1)
             m = m_new
+        if GDC:  # the merge may be placed now (it waits for this kernel's end before it reads)
+            tl.extra.cuda.gdc_launch_dependents()
         out = partial + (((bh * T + token) * tl.num_programs(2) + split) * GROUP_PAD + g) * (DIM + 2)
         tl.store(out[:, None] + d[None, :], acc, mask=live[:, None])
         tl.store(out + DIM, m, mask=live)
@@ -142,7 +149,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _merge(partial, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-               DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr):
+               DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the chunks and their writes
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
         g = tl.program_id(0) % GROUPS
         bh = row // T
@@ -169,4 +178,6 @@ if triton is not None:
                 norm = norm * keep + tl.sum(total * weight, axis=0)
                 acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
                 best = best_new
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, (acc / norm).to(out.dtype.element_ty))

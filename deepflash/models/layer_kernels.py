@@ -3,7 +3,9 @@ a layer's adds: llama.DecoderLayer.fused_forward), and SwiGLU's silu(gate) * up.
 kernels of a decode step, whose launches and round trips through memory cost more than their
 arithmetic (profile_step.py: the adds and the silu / multiply took ~160 of the SmolLM2-135M-shaped
 step's 1412 us). Chosen with the target's other Triton kernels (TargetModel.use_kernels);
-`TRITON_INTERPRET=1` runs them on the CPU for the tests.
+`TRITON_INTERPRET=1` runs them on the CPU for the tests. Decode and verify steps fold both into the
+projection after them (gemv_kernel.py); these serve longer inputs (prefill), MoE layers and the final
+norm.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ except ImportError:  # torch's CPU builds do not bring Triton
 SILU_BLOCK = 1024  # values of a row per silu_mul program
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) over the last dim; the sum is rounded to the input dtype before
-    it is normalised, as the torch form does. y None: (x, rms_norm(x) * weight) by the same kernel (the
-    first layer's input, the embeddings)."""
+    it is normalised, as the torch form does, and written to `total` when given (a feature tap's:
+    layers.tap). y None: (x, rms_norm(x) * weight) by the same kernel (the first layer's input, the
+    embeddings)."""
     width = x.shape[-1]
     x = x.contiguous()
     normed = torch.empty_like(x)
-    total = x if y is None else torch.empty_like(x)
+    total = x if y is None else torch.empty_like(x) if total is None else total
     block = triton.next_power_of_2(width)
     # one program holds a whole row (the norm's reduction); wide rows get more warps, as in Triton's
     # layer-norm tutorial: 4 up to 1024 values (SmolLM2's 576), 8 from 2048 (Qwen3-8B's 4096)

@@ -28,40 +28,56 @@ class RMSNorm(nn.Module):
 
 
 @dataclass(frozen=True)
-class Normed:
-    """A layer input whose input norm already ran (at a feature tap: `tap`): the residual stream and its
-    normed copy. Not a tuple, which is a fused layer's (residual, pending MLP output)."""
+class Pending:
+    """A fused layer's output (llama.DecoderLayer.fused_forward): the residual stream and the MLP output
+    not yet added to it. The next kernel that adds them (the next layer's input norm, fused into its
+    q/k/v projection, or the final norm) writes the sum to `total` when that is given: a feature tap
+    names the tensor (`tap`) and reads it after the forward."""
 
     residual: torch.Tensor
-    hidden: torch.Tensor
+    delta: torch.Tensor
+    total: torch.Tensor | None = None
 
 
-def tap(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], next_norm: nn.Module):
-    """A feature tap after a layer: (the layer's residual output, the next layer's input). A fused layer
-    (llama.DecoderLayer.fused_forward) hands on (residual, MLP output) for the next input norm's kernel
-    to add, and that kernel writes the sum anyway: the tap reads it there, and the next layer gets its
-    input already normed. So capturing features adds no kernel and changes no rounding."""
-    if not isinstance(x, tuple):
+def tap(x: torch.Tensor | Pending, next_norm: nn.Module):
+    """A feature tap after a layer: (the layer's residual output, the next layer's input). After a fused
+    layer the sum does not exist yet: the tap hands the next layer's kernel an empty tensor to write it
+    to, so capturing features adds no kernel and changes no rounding (next_norm: the torch form's)."""
+    if not isinstance(x, Pending):
         return x, x
-    residual, hidden = fused_norm(next_norm, x)
-    return residual, Normed(residual, hidden)
+    total = torch.empty_like(x.residual)
+    return total, Pending(x.residual, x.delta, total)
 
 
-def fused_norm(norm: RMSNorm, x) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, normed) by the Triton kernel (layer_kernels.add_rms_norm) of a layer input that is one
-    tensor or a fused layer's (residual, MLP output): the pending add runs inside the norm's kernel. A
-    Normed input (after a feature tap) already holds both."""
+    tensor or a fused layer's Pending output: the pending add runs inside the norm's kernel."""
     from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
 
-    if isinstance(x, Normed):
-        return x.residual, x.hidden
-    residual, delta = x if isinstance(x, tuple) else (x, None)
-    return add_rms_norm(residual, delta, norm.weight, norm.eps)
+    if isinstance(x, Pending):
+        return add_rms_norm(x.residual, x.delta, norm.weight, norm.eps, x.total)
+    return add_rms_norm(x, None, norm.weight, norm.eps)
 
 
-def final_norm(norm: RMSNorm, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, projection of the normed residual) of a fused layer's input: for a decode or verify
+    step's few rows one kernel (gemv_kernel.norm_linear: add, norm and GEMV), else fused_norm's kernel
+    and torch's GEMM."""
+    from . import gemv_kernel  # imports Triton: only where it is used
+
+    residual = x.residual if isinstance(x, Pending) else x
+    if not gemv_kernel.fits(residual, weight):
+        residual, hidden = fused_norm(norm, x)
+        return residual, F.linear(hidden, weight, bias)
+    if isinstance(x, Pending):
+        return gemv_kernel.norm_linear(x.residual, x.delta, norm.weight, norm.eps, weight, bias, x.total)
+    return gemv_kernel.norm_linear(x, None, norm.weight, norm.eps, weight, bias)
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> torch.Tensor:
     """The stack's final norm, adding a fused layer's pending MLP output in the same kernel."""
-    return fused_norm(norm, x)[1] if isinstance(x, tuple) else norm(x)
+    return fused_norm(norm, x)[1] if isinstance(x, Pending) else norm(x)
 
 
 def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -233,9 +249,17 @@ class MLP(nn.Module):
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fused form with silu(gate) * up as one kernel (layer_kernels.py)."""
+        return self.down(F.linear(x, *self.gate_up))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) of the fused gate/up output on the Triton kernels: for a decode or
+        verify step's few rows one kernel (gemv_kernel.silu_linear), else silu_mul's and torch's GEMM."""
+        from . import gemv_kernel
         from .layer_kernels import silu_mul
 
-        return self.down_proj(silu_mul(F.linear(x, *self.gate_up)))
+        if gemv_kernel.fits(gate_up, self.down_proj.weight):
+            return gemv_kernel.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(silu_mul(gate_up))
 
 
 class Experts(nn.Module):

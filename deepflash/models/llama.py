@@ -12,8 +12,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv import KVCache
 from .base import TargetModel
-from .layers import (DECODE, MLP, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask, fuse_linears,
-                     fused_norm)
+from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask,
+                     fuse_linears, fused_norm, norm_linear)
 
 
 class Attention(nn.Module):
@@ -30,31 +30,34 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
-        self.kernels = "torch"  # or "triton": TargetModel.use_kernels
 
     def fuse_projections(self) -> None:
         """q, k and v as one GEMM (layers.fuse_linears); done when the model is built."""
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
+    def kernel_forward(self, qkv, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
+        """The Triton form from the fused q/k/v projection's output (DecoderLayer.fused_forward projects
+        inside its norm's kernel): q/k norm, rope and the cache write as one kernel (rope_kernel.py),
+        then attention and o_proj."""
+        from .decode_kernel import decode_attention  # imports Triton: only where it is used
+        from .rope_kernel import rope_and_write
+
+        b, t, _ = qkv.shape
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        q = rope_and_write(qkv, cos, sin, positions, cache.k[layer], cache.v[layer], self.heads, self.kv_heads,
+                           *norms)
+        # decode and verify steps (LlamaModel.attention_mask): one kernel for both, so that a verified
+        # token is computed exactly as a decoded one
+        if mask is DECODE:
+            out = decode_attention(q, cache.k[layer], cache.v[layer], positions, kv_len)
+        else:
+            keys, values = cache.read(layer, kv_len)
+            out = attention(q, keys, values, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        if self.kernels == "triton":  # q/k norm, rope and the cache write as one kernel (rope_kernel.py)
-            from .rope_kernel import rope_and_write  # imports Triton: only where it is used
-
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            q = rope_and_write(F.linear(x, *self.qkv), cos, sin, positions, cache.k[layer], cache.v[layer],
-                               heads, kv_heads, *norms)
-            from .decode_kernel import decode_attention
-
-            # decode and verify steps (LlamaModel.attention_mask): one kernel for both, so that a verified
-            # token is computed exactly as a decoded one
-            if mask is DECODE:
-                out = decode_attention(q, cache.k[layer], cache.v[layer], positions, kv_len)
-            else:
-                keys, values = cache.read(layer, kv_len)
-                out = attention(q, keys, values, mask)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         qk, v = F.linear(x, *self.qkv).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
         qk = qk.view(b, t, heads + kv_heads, dim)
         v = v.view(b, t, kv_heads, dim)
@@ -89,15 +92,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused_forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
-        """The Triton form: each residual add runs inside the kernel of the norm after it (fused_norm,
-        layer_kernels.add_rms_norm), so the layer hands its MLP output on unadded, as (residual, mlp output), and
-        the next layer's input norm (or the final norm: layers.final_norm) adds it. Two kernels per layer
-        instead of four; x is such a pair, the embeddings (layer 0), or after a feature tap a layers.Normed
-        whose input norm already ran (layers.tap)."""
-        x, h = fused_norm(self.input_layernorm, x)
-        attn = self.self_attn(h, cos, sin, positions, cache, layer, kv_len, mask)
-        x, h = fused_norm(self.post_attention_layernorm, (x, attn))
-        return x, self.mlp(h)
+        """The Triton form: each residual add and norm runs inside the projection after it (layers.
+        norm_linear: for a decode step's few rows one kernel each with the q/k/v and gate/up GEMVs,
+        gemv_kernel.py), silu(gate) * up inside the down projection, and the layer hands its MLP output
+        on unadded (layers.Pending) for the next layer's input norm, or the final norm, to add. x is such
+        a Pending output or the embeddings (layer 0)."""
+        x, qkv = norm_linear(self.input_layernorm, x, *self.self_attn.qkv)
+        attn = self.self_attn.kernel_forward(qkv, cos, sin, positions, cache, layer, kv_len, mask)
+        if isinstance(self.mlp, SparseMoe):
+            x, h = fused_norm(self.post_attention_layernorm, Pending(x, attn))
+            return Pending(x, self.mlp(h))
+        x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, attn), *self.mlp.gate_up)
+        return Pending(x, self.mlp.down(gate_up))
 
 
 class Backbone(nn.Module):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -41,10 +43,11 @@ def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     qkv = qkv.contiguous()
     q = torch.empty((b, heads, t, dim), dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
+    dependent = pdl.dependent(qkv.device)  # a programmatic dependent launch (pdl.py)
     _rope_and_write[(b * t, heads + 2 * kv_heads)](
         qkv, cos.contiguous(), signed_sin.contiguous(), positions, q, k_cache, v_cache,
         q_norm if norm else qkv, k_norm if norm else qkv, t, k_cache.shape[2], eps,
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm)
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm, GDC=dependent, launch_pdl=dependent)
     return q
 
 
@@ -53,7 +56,10 @@ if triton is not None:
     @triton.jit
     def _rope_and_write(qkv, cos, sin, positions, q, k_cache, v_cache, q_gain, k_gain, T, S, eps,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, ROT: tl.constexpr,
-                        NORM: tl.constexpr):
+                        NORM: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # one row per program: nothing long to wait for
         row = tl.program_id(0)  # b * T + t
         head = tl.program_id(1)  # q heads, then k heads, then v heads
         b = row // T

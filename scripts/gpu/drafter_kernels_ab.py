@@ -3,28 +3,18 @@ over [context, block]) against the target's Triton kernels (drafter.RingBlock), 
 128 tokens, spec on, the target on its default kernels. Arms alternate (torch, triton, torch, triton) so
 that run-to-run drift shows; each arm runs its prompts once untimed first. Prints and writes one JSON."""
 
-import argparse
 import json
-from pathlib import Path
+
+from ab_setup import embedded_ab, report
 
 import deepflash.engine as engine_module
 from deepflash.bench.accept import measure
-from deepflash.bench.common import embedded_pair
-from deepflash.bench.prompts import humaneval_messages
-from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=24)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    target, tok = embedded_pair(args.device)
-    prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
-    drafter = load_drafter("deepflash/drafters/smollm2-135m", target.device, target.dtype)
+    args, target, tok, prompts, drafter = embedded_ab(__doc__)
     plain, plain_outputs = measure(Engine(target, tok), prompts, SamplingParams(max_new_tokens=128))
     rows = {"plain": [plain["tok_per_s"]], "torch": [], "triton": []}
     for kernels in ("torch", "triton", "torch", "triton"):
@@ -34,9 +24,7 @@ def main():
                               "draft_s": r["draft_s"], "verify_s": r["verify_s"],
                               "same_output_as_plain": sum(a == b for a, b in zip(outputs, plain_outputs))})
         print(kernels, json.dumps(rows[kernels][-1]), flush=True)
-    print(json.dumps(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    report(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,210 @@
+"""Projections of a few rows (decode and verify steps) with the small work before them fused in (Triton).
+
+A decode step multiplies 1-16 rows by each weight; the GEMM itself streams the weight, and what ran
+before it in a kernel of its own (the residual add + RMSNorm before the q/k/v and gate/up projections,
+silu(gate) * up before the down projection) cost a launch and a round trip through memory each: 3 of a
+fused layer's 9 kernels (profile_step.py, BENCHMARKS.md).
+
+The programs split both the weight rows (BLOCK_N) and the reduction (slices of SPAN columns), enough of
+them that every SM has several weight loads in flight: one program walking a whole reduction alone
+streams a weight at a fraction of the copy bandwidth (the nineteenth GPU session measured 0.10 of it on
+Qwen3-8B's down projection). Each program applies the prologue to its slice of the rows (a few KB, read
+from L2). The RMSNorm's 1/rms is a per-row factor of the whole product, so a slice
+multiplies the unnormalised s * gain and sums its squares; the last program of a column block to finish
+(an arrival counter) adds the slices' products and squares in slice order and scales by 1/rms, so the
+result does not depend on which program finishes last.
+
+Rows are a tile of 16 for the tensor-core product, padded with zeros: a row's result depends only on
+that row, bit for bit, whatever the number of rows, so a verify step projects each token exactly as a
+one-token decode step does (decode_kernel.py keeps the same property for attention). More rows than a
+tile (prefill) take torch's GEMM after the separate kernels (layers.norm_linear), as do float16 rows:
+the unnormalised s * gain could pass float16's range where the normed rows would not.
+
+Chosen with the target's other Triton kernels (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it
+on the CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import pdl
+from .decode_kernel import INTERPRETED
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds do not bring Triton
+    triton = None
+
+TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
+MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/gemv_ab.py)
+# Larger weights take torch's GEMM: it streams them at 0.7-0.99 of the copy bandwidth where these
+# kernels reached 0.13-0.33 (Qwen3-8B's projections, 48-192 MB); up to SmolLM2-135M's 3.4 MB the time
+# is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
+MAX_WEIGHT_BYTES = 8 << 20
+DTYPES = (torch.bfloat16, torch.float32)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of weight rows, the smallest first: 64x64x4x6
+# was the fastest of seven on SmolLM2-135M's projections (scripts/gpu/gemv_bench.py, nineteenth session).
+CONFIGS = ((None, (64, 64, 4, 6)),)
+WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
+MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
+NORM, ADD_NORM, SILU = 0, 1, 2  # the prologue
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows and the weight go through these kernels (else torch's GEMM after the separate
+    kernels). Never decided by the number of rows within a tile: a verify step must project as a
+    decode step does."""
+    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES
+            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None,
+                total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s) * gain @ weight.T + bias) with s = x + delta (x when delta is None), rounded to
+    x's dtype as layer_kernels.add_rms_norm rounds it; s * gain is rounded to the weight's dtype and the
+    float32 product scaled by 1/rms (the module docstring). `total`: where s goes (a feature tap reads
+    it there: layers.tap); a new tensor when None."""
+    if delta is None:
+        total = x  # nothing to add: the input is the residual stream
+    elif total is None:
+        total = torch.empty_like(x)
+    out = _launch(ADD_NORM if delta is not None else NORM, x, x if delta is None else delta, gain, total,
+                  weight, bias, x.shape[-1], eps)
+    return total, out
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T + bias of a fused gate/up projection's output [..., 2I] (gate
+    first), the product rounded to the weight's dtype as layer_kernels.silu_mul's output is."""
+    return _launch(SILU, gate_up, gate_up, weight, gate_up, weight, bias, gate_up.shape[-1] // 2, 0.0)
+
+
+def config(n: int) -> tuple[int, int, int, int]:
+    return next(c for limit, c in CONFIGS if limit is None or n <= limit)
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def split(blocks: int, steps: int, device: torch.device) -> tuple[int, int]:
+    """(slices, BLOCK_K steps per slice) of a reduction of `steps` steps over `blocks` column blocks:
+    about WAVES programs per SM, every slice non-empty. It depends on the shapes only, never on the
+    number of rows, so a verify step sums each row in the same order as a decode step."""
+    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(_sms(device) * WAVES, blocks))))
+    return triton.cdiv(steps, per), per
+
+
+@functools.cache
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """Per column block, how many of its slices have finished; the last one sets it back to 0. One
+    array per device: a device's projections run one after another on its stream (a dependent launch
+    waits for the kernel before it ends, pdl.py)."""
+    return torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
+
+
+def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    assert rows <= TILE and weight.shape[1] == width and weight.is_contiguous(), (rows, weight.shape, width)
+    n = weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=weight.dtype, device=x.device)
+    upcast = weight.dtype == torch.float32 or INTERPRETED
+    block_n, block_k, warps, stages = config(n)
+    # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
+    block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
+    blocks = triton.cdiv(n, block_n)
+    assert blocks <= MAX_BLOCKS, (n, block_n)
+    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device)
+    # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
+    squares_at = slices * rows * n if slices > 1 else 0
+    partial = torch.empty(squares_at + slices * blocks * TILE, dtype=torch.float32, device=x.device)
+    dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
+    _gemv[(blocks, slices)](
+        x.contiguous(), delta.contiguous(), gain, total, weight, weight if bias is None else bias, out,
+        partial, partial[squares_at:], _arrivals(x.device), rows, n, eps, WIDTH=width, MODE=mode,
+        HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, launch_pdl=dependent)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _slice_rows(x, delta, gain, total, rows, r, k, write_total, WIDTH: tl.constexpr, MODE: tl.constexpr,
+                    OUT: tl.constexpr):
+        """(rows [16, BLOCK_K] of the projection's input at columns k before any 1/rms, rounded to OUT;
+        their float32 sums of squares [16], zero for silu)."""
+        inside = (r < rows)[:, None] & (k < WIDTH)[None, :]
+        if MODE == 2:  # silu(gate) * up: gate at column k, up at WIDTH + k of a 2 * WIDTH row
+            at = r[:, None] * 2 * WIDTH + k[None, :]
+            gate = tl.load(x + at, mask=inside, other=0.0).to(tl.float32)
+            up = tl.load(x + at + WIDTH, mask=inside, other=0.0).to(tl.float32)
+            return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT), tl.zeros([16], dtype=tl.float32)
+        at = r[:, None] * WIDTH + k[None, :]
+        s = tl.load(x + at, mask=inside, other=0.0)
+        if MODE == 1:
+            s = (s.to(tl.float32) + tl.load(delta + at, mask=inside, other=0.0).to(tl.float32)).to(
+                total.dtype.element_ty)
+            if write_total:  # one column block writes the sum for the layers after
+                tl.store(total + at, s, mask=inside)
+        s = s.to(tl.float32)
+        g = tl.load(gain + k, mask=k < WIDTH, other=0.0).to(tl.float32)
+        return (s * g[None, :]).to(OUT), tl.sum(s * s, axis=1)
+
+    @triton.jit
+    def _finish(acc, squares, bias, out, rows, n, r, cols, eps, WIDTH: tl.constexpr, MODE: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+        if MODE != 2:
+            acc = acc * (1.0 / tl.sqrt(squares / WIDTH + eps))[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + r[:, None] * n + cols[None, :], acc.to(out.dtype.element_ty),
+                 mask=(r < rows)[:, None] & (cols < n)[None, :])
+
+    @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
+    def _gemv(x, delta, gain, total, weight, bias, out, partial, partial_squares, arrivals, rows, n, eps,
+              WIDTH: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+              GDC: tl.constexpr, SLICES: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
+            tl.extra.cuda.gdc_wait()
+        block, piece = tl.program_id(0), tl.program_id(1)
+        r = tl.arange(0, 16)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        squares = tl.zeros([16], dtype=tl.float32)
+        for k0 in range(0, SPAN, BLOCK_K):
+            k = piece * SPAN + k0 + tl.arange(0, BLOCK_K)
+            a, sq = _slice_rows(x, delta, gain, total, rows, r, k, block == 0, WIDTH, MODE, weight.dtype.element_ty)
+            squares += sq
+            w = tl.load(weight + cols[:, None] * WIDTH + k[None, :], mask=(cols < n)[:, None] & (k < WIDTH)[None, :],
+                        other=0.0)
+            if UPCAST:  # float32 weights (tf32 would round them), or bfloat16 in the interpreter (decode_kernel.py):
+                # products summed per row, where numpy's matrix product rounds a row by its place in the tile
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
+            tl.extra.cuda.gdc_launch_dependents()
+        if SLICES == 1:
+            _finish(acc, squares, bias, out, rows, n, r, cols, eps, WIDTH, MODE, HAS_BIAS)
+        else:  # park this slice's sums; the column block's last slice to arrive adds them in slice order
+            tile = (r < rows)[:, None] & (cols < n)[None, :]
+            tl.store(partial + (piece * rows + r[:, None]) * n + cols[None, :], acc, mask=tile)
+            tl.store(partial_squares + (block * SLICES + piece) * 16 + r, squares)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            if tl.atomic_add(arrivals + block, 1, sem="acq_rel", scope="gpu") == SLICES - 1:
+                acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+                squares = tl.zeros([16], dtype=tl.float32)
+                for j in range(SLICES):  # through L2 (".cg"): other SMs wrote them
+                    acc += tl.load(partial + (j * rows + r[:, None]) * n + cols[None, :], mask=tile, other=0.0,
+                                   cache_modifier=".cg")
+                    squares += tl.load(partial_squares + (block * SLICES + j) * 16 + r, cache_modifier=".cg")
+                tl.atomic_xchg(arrivals + block, 0)  # ready for the next call
+                _finish(acc, squares, bias, out, rows, n, r, cols, eps, WIDTH, MODE, HAS_BIAS)

@@ -1,0 +1,29 @@
+"""Programmatic dependent launch (Hopper and later) for the decode step's Triton kernels.
+
+A kernel launched as a dependent may start while the kernel before it finishes: its programs are placed
+and wait on the device (`gdc_wait`) for the previous kernel's end and writes before they read or write
+anything, so only the launch and the programs' start overlap the previous kernel's tail. A decode step
+is hundreds of short kernels (profile_step.py), and each boundary costs a launch gap. Each kernel that
+runs so calls `gdc_launch_dependents` once its main work is done, letting the next one be placed.
+Off until scripts/gpu/gemv_ab.py has measured it (`ENABLED`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ENABLED = False
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def dependent(device: torch.device) -> bool:
+    """Whether a kernel on `device` launches as a dependent (its GDC constexpr and `launch_pdl`)."""
+    from .decode_kernel import INTERPRETED  # here: decode_kernel imports this module
+
+    return ENABLED and not INTERPRETED and _hopper(device)

@@ -1,0 +1,113 @@
+"""A decode step's projections with their prologue fused in (models/gemv_kernel.py) against the separate
+kernels they replace (layer_kernels' add + norm or silu * up, then torch's GEMM) and torch's GEMM alone:
+device time per call (CUDA graphs; the calls cycle over enough copies of the weight that it is read from
+memory, as in a model, not from L2) and the weight bytes per second as a fraction of the device copy
+bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages) of --configs with each programs-per-SM target of
+--waves (gemv_kernel.WAVES: how far the reduction is split) is timed; the best is reported, with its
+largest difference from the separate kernels' output relative to that output's largest magnitude.
+Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm) and down (silu) in bf16.
+Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,...] [--waves 4,8] [--rows 1,16] [--out F]
+Ends with one JSON line."""
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from attention_bench import device_us
+
+from deepflash.bench.common import copy_bandwidth
+from deepflash.models import gemv_kernel
+from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+
+# name: (hidden, q/k/v rows, intermediate)
+MODELS = {"smollm2": (576, (9 + 2 * 3) * 64, 1536), "qwen3-8b": (4096, (32 + 2 * 8) * 128, 12288)}
+DEFAULT_CONFIGS = "16x128x4x3,32x128x4x3,64x64x4x4"
+L2_BYTES = 60 * 2**20
+DEVICE = "cuda"
+
+
+def norm_then_gemm(x, delta, gain, weight):
+    return F.linear(add_rms_norm(x, delta, gain, 1e-6)[1], weight)
+
+
+def fused_output(call, weight):
+    out = call(weight)
+    return out[1] if isinstance(out, tuple) else out  # norm_linear returns (sum, projection)
+
+
+def silu_then_gemm(gate_up, weight):
+    return F.linear(silu_mul(gate_up), weight)
+
+
+def cases(rows: int):
+    """(name, weight shape, fused call, separate calls, GEMM-only call), each taking the weight, per
+    projection of each model."""
+    for model, (hidden, qkv, inner) in MODELS.items():
+        x, delta = (torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        gain = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
+        gate_up = torch.randn(rows, 2 * inner, device=DEVICE, dtype=torch.bfloat16)
+        for proj, shape in (("qkv", (qkv, hidden)), ("gate_up", (2 * inner, hidden))):
+            yield (f"{model} {proj}", shape, partial(gemv_kernel.norm_linear, x, delta, gain, 1e-6),
+                   partial(norm_then_gemm, x, delta, gain), partial(F.linear, x))
+        yield (f"{model} down", (hidden, inner), partial(gemv_kernel.silu_linear, gate_up),
+               partial(silu_then_gemm, gate_up), partial(F.linear, silu_mul(gate_up)))
+
+
+def cycled(call, weights):
+    """One call per weight copy: each reads its weight from memory."""
+    def run():
+        for w in weights:
+            call(w)
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES,...")
+    ap.add_argument("--waves", default="4,8", help="gemv_kernel.WAVES values")
+    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth(torch.device(DEVICE))
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    variants = [(c, int(w)) for c in configs for w in args.waves.split(",")]
+    kept = gemv_kernel.CONFIGS, gemv_kernel.WAVES
+    results = []
+    for rows in map(int, args.rows.split(",")):
+        for name, shape, fused, separate, gemm in cases(rows):
+            nbytes = shape[0] * shape[1] * 2
+            copies = max(2, -(-2 * L2_BYTES // nbytes))
+            weights = [torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            row = {"case": name, "rows": rows, "weight_mb": nbytes / 2**20,
+                   "separate_us": device_us(cycled(separate, weights), calls=1) / copies,
+                   "gemm_only_us": device_us(cycled(gemm, weights), calls=1) / copies, "fused_us": {}}
+            errors, want = {}, separate(weights[0]).float()
+            for config, waves in variants:
+                gemv_kernel.CONFIGS, gemv_kernel.WAVES = ((None, config),), waves
+                variant = f"{'x'.join(map(str, config))} waves {waves}"
+                row["fused_us"][variant] = device_us(cycled(fused, weights), calls=1) / copies
+                got = fused_output(fused, weights[0]).float()
+                errors[variant] = ((got - want).abs().max() / want.abs().max()).item()
+            gemv_kernel.CONFIGS, gemv_kernel.WAVES = kept
+            best = min(row["fused_us"], key=row["fused_us"].get)
+            row["best_config"], row["best_us"], row["best_error"] = best, row["fused_us"][best], errors[best]
+            row["largest_error"] = max(errors.values())
+            for key in ("separate_us", "gemm_only_us", "best_us"):
+                row[key.replace("_us", "_of_copy")] = nbytes / (row[key] * 1e-6) / 1e9 / bandwidth
+            results.append(row)
+            print(f"{name:18s} rows {rows:2d}: separate {row['separate_us']:7.1f} us, GEMM alone "
+                  f"{row['gemm_only_us']:7.1f} us ({row['gemm_only_of_copy']:.2f} of copy), fused "
+                  f"{row['best_us']:7.1f} us ({row['best_of_copy']:.2f}) with {best}, error {row['best_error']:.1e} "
+                  f"(largest {row['largest_error']:.1e})", flush=True)
+    record = {"bench": "gemv", "device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": bandwidth,
+              "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
