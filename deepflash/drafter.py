@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .argmax_kernel import argmax
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
-from .models.layers import (MLP, FusedProjections, Pending, RMSNorm, Rotary, apply_rotary, attention, final_norm,
-                            fold_mask, fuse_linears, norm_linear)
+from .models.layers import (MLP, FusedProjections, Pending, RMSNorm, Rotary, apply_rotary, attention, embedding_rows,
+                            final_norm, fold_mask, fuse_linears, norm_linear)
 
 
 @dataclass
@@ -196,7 +197,7 @@ class DFlashDrafter(FusedProjections):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def block_embeddings(self, embed: nn.Module, block: torch.Tensor) -> torch.Tensor:
-        x = embed(block).to(self.dtype)
+        x = embedding_rows(embed, block).to(self.dtype)
         scale = self.cfg.input_embedding_scale
         return x * scale if scale != 1.0 else x
 
@@ -362,7 +363,7 @@ def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch
     block = torch.cat([last.view(1), mask])[None]
     x = drafter.block_embeddings(target.model.embed_tokens, block)
     hidden = drafter(x, q_pos, context.kv(span), context.masks(q_pos, span))
-    return drafter.logits(hidden[0, 1:], target.lm_head).argmax(dim=-1)
+    return argmax(drafter.logits(hidden[0, 1:], target.lm_head))
 
 
 # --- checkpoints (z-lab format) ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .argmax_kernel import argmax
 from .errors import UserError
 
 _MASK32 = 0xFFFFFFFF
@@ -102,8 +103,8 @@ def choose(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams
     """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled.
     `seed` (0-d tensor) overrides params.seed; engines pass a device buffer."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     if seed is None:
         seed = torch.tensor(params.seed)
     gumbel = -torch.log(-torch.log(uniform_noise(seed, positions, logits.shape[-1])))
-    return (adjusted_logits(logits, params) + gumbel.float()).argmax(dim=-1)
+    return argmax(adjusted_logits(logits, params) + gumbel.float())

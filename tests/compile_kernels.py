@@ -62,6 +62,7 @@ def ring_kernels():
 
 
 def model_kernels():
+    from deepflash.argmax_kernel import rows_argmax
     from deepflash.models.decode_kernel import decode_attention
     from deepflash.models import pdl
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
@@ -97,6 +98,8 @@ def model_kernels():
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, None, None, 1e-6)
             decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
             pdl.dependent = dependent
+        # the greedy choice over the vocabulary (SmolLM2's, or Qwen3's)
+        rows_argmax(torch.zeros(t, 49152 if hidden == 576 else 151936, dtype=dtype))
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
 

@@ -1,0 +1,66 @@
+"""A/B of the decode step's kernel choices on the embedded pair (HumanEval prompts, greedy, 128 tokens, the
+shipped drafter): plain tok/s, spec-on tok/s, AL, draft and verify seconds, outputs equal to the arm's
+plain outputs and to the first arm's plain outputs, and with --mbu the Qwen3-8B-shaped plain decode MBU.
+An arm sets module switches (ARMS) and runs with everything else as shipped: "shipped"; "torch argmax"
+(argmax_kernel.py off); "separate projections" (models/gemv_kernel.py off: the add + norm or silu * up
+kernel, then torch's GEMM); "no dependent launches" (models/pdl.py off). The arms run in turn, twice, so
+that run-to-run drift shows; each runs its prompts once untimed first. Prints and writes one JSON.
+Formerly gemv_ab.py (its three arms: separate, fused, fused + PDL)."""
+
+import json
+
+import torch
+from ab_setup import embedded_ab, report
+
+from deepflash import argmax_kernel
+from deepflash.bench.accept import measure
+from deepflash.bench.common import copy_bandwidth
+from deepflash.bench.speed import qwen3_8b_mbu
+from deepflash.engine import Engine
+from deepflash.models import gemv_kernel, pdl
+from deepflash.sampling import SamplingParams
+
+ARMS = {"shipped": {}, "torch argmax": {(argmax_kernel, "MAX_ROWS"): 0},
+        "separate projections": {(gemv_kernel, "MAX_ROWS"): 0}, "no dependent launches": {(pdl, "ENABLED"): False}}
+
+
+def switched(arm: str) -> dict:
+    """Set the arm's switches; returns what they were."""
+    before = {key: getattr(*key) for key in ARMS[arm]}
+    for (module, name), value in ARMS[arm].items():
+        setattr(module, name, value)
+    return before
+
+
+def main():
+    def arguments(ap):
+        ap.add_argument("--arms", nargs="+", choices=ARMS, default=["shipped", "torch argmax"])
+        ap.add_argument("--mbu", action="store_true", help="each arm also measures the Qwen3-8B-shaped MBU")
+
+    args, target, tok, prompts, drafter = embedded_ab(__doc__, arguments)
+    arms = args.arms
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device)
+    params = SamplingParams(max_new_tokens=128)
+    rows: dict = {arm: [] for arm in arms}
+    first_outputs = None
+    for arm in [*arms, *arms]:
+        before = switched(arm)
+        plain, plain_outputs = measure(Engine(target, tok), prompts, params)
+        spec, spec_outputs = measure(Engine(target, tok, drafter, spec="on"), prompts, params)
+        first_outputs = first_outputs or plain_outputs
+        row = {"plain_tok_per_s": plain["tok_per_s"], "spec_tok_per_s": spec["tok_per_s"],
+               "acceptance_length": spec["acceptance_length"], "draft_s": spec["draft_s"], "verify_s": spec["verify_s"],
+               "spec_same_as_plain": sum(a == b for a, b in zip(spec_outputs, plain_outputs)),
+               "plain_same_as_first_arm": sum(a == b for a, b in zip(plain_outputs, first_outputs))}
+        if args.mbu:
+            row["qwen3_8b_mbu"] = qwen3_8b_mbu(device, bandwidth)
+        rows[arm].append(row)
+        for (module, name), value in before.items():
+            setattr(module, name, value)
+        print(arm, json.dumps(row), flush=True)
+    report(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
