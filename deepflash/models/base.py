@@ -6,7 +6,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .layers import FusedProjections, final_norm, tap
+from .layers import FusedProjections, embedding_rows, final_norm, tap
 
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
@@ -67,7 +67,7 @@ class TargetModel(FusedProjections):
         return self.lm_head.weight.device
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(tokens)
+        return embedding_rows(self.model.embed_tokens, tokens)
 
     def project(self, x: torch.Tensor, logits: str) -> torch.Tensor | None:
         if logits == "none":

@@ -13,6 +13,13 @@ from ..config import RopeConfig
 from ..kv import causal_mask
 
 
+def embedding_rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """embedding(ids) as an indexing gather, which spreads the rows over the GPU: nn.Embedding's
+    index_select kernel took 6.6 us for a 16-token block against 1.8 us for one token in the spec step's
+    profile (profile_step.py --short, twentieth session). The same rows, bit for bit."""
+    return embedding.weight[ids]
+
+
 class RMSNorm(nn.Module):
     """Llama/Qwen3 RMSNorm through torch's fused op: one kernel instead of the eight of the written-out
     form (which casts, squares, averages, adds, rsqrts, multiplies, casts back and scales). Accumulates

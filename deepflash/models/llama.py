@@ -147,7 +147,7 @@ class LlamaModel(TargetModel):
     def forward(self, tokens, positions, cache, kv_len=None, *, capture=(), logits="all", key_mask=None):
         """capture: target layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]).
         logits: "all", "last" or "none". key_mask [B, S]: False on left-padding slots of batched prompts."""
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         mask = self.attention_mask(positions, kv_len, key_mask, x.dtype)

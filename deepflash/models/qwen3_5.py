@@ -182,7 +182,7 @@ class Qwen35Model(TargetModel):
             self(tokens[:, :n], positions[:n], cache, kv_len, logits="none", key_mask=key_mask)
 
         cache.begin(positions, rerun)
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         live = None if key_mask is None else key_mask[:, positions]
         mask = forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
