@@ -40,7 +40,7 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
 TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
-MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/gemv_ab.py)
+MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/kernels_ab.py)
 # Larger weights take torch's GEMM: it streams them at 0.7-0.99 of the copy bandwidth where these
 # kernels reached 0.13-0.33 (Qwen3-8B's projections, 48-192 MB); up to SmolLM2-135M's 3.4 MB the time
 # is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).

@@ -6,7 +6,7 @@ anything, so only the launch and the programs' start overlap the previous kernel
 is hundreds of short kernels (profile_step.py), and each boundary costs a launch gap. Each kernel that
 runs so calls `gdc_launch_dependents` once its main work is done, letting the next one be placed.
 On (`ENABLED`): with the fused projections on an H200 it raised plain decode from 1072-1080 to 1173-1174
-tok/s and spec-on from 1905-1939 to 2045-2049, same outputs (scripts/gpu/gemv_ab.py, BENCHMARKS.md,
+tok/s and spec-on from 1905-1939 to 2045-2049, same outputs (scripts/gpu/kernels_ab.py, BENCHMARKS.md,
 twentieth session).
 """
 

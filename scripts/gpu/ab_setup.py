@@ -10,12 +10,14 @@ from deepflash.bench.prompts import humaneval_messages
 from deepflash.drafter import load_drafter
 
 
-def embedded_ab(description: str):
-    """(args, target, tokenizer, prompts, drafter) for --device, --prompts (24) and --out."""
+def embedded_ab(description: str, arguments=lambda ap: None):
+    """(args, target, tokenizer, prompts, drafter) for --device, --prompts (24), --out and what
+    `arguments` adds to the parser."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--out")
+    arguments(ap)
     args = ap.parse_args()
     target, tok = embedded_pair(args.device)
     prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]

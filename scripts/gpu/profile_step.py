@@ -168,9 +168,17 @@ def main():
                     help="only the kernels of spec-on and plain steps after a 5.8K-token prompt (SmolLM2 shape)")
     ap.add_argument("--short", action="store_true",
                     help="only the kernels of spec-on and plain steps after a 256-token prompt (SmolLM2 shape)")
+    ap.add_argument("--qwen3", action="store_true",
+                    help="only the kernels of a plain step after a 256-token prompt (Qwen3-8B shape, Triton kernels)")
     args = ap.parse_args()
     prompt = list(range(100, 356))
     record = {}
+    if args.qwen3:
+        prof = kernel_profile(random_engine(QWEN3_8B, args.device, cuda_graphs=False, target_kernels="triton"),
+                              prompt, 64)
+        record["qwen3-8b-shaped"] = {"short": {"plain": prof}}
+        print_top(f"qwen3-8b-shaped plain after {len(prompt)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
+                  prof["top"][:16])
     if args.spec_only:  # with --prefill both run
         record.setdefault("smollm2-shaped", {})["spec_on"] = spec_profile(random_engine(SMOLLM2, args.device), prompt)
         print_top("spec on, Triton kernels", record["smollm2-shaped"]["spec_on"]["top"])
@@ -186,7 +194,7 @@ def main():
             for name, prof in record["smollm2-shaped"][key].items():
                 print_top(f"{name} after {len(at)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
                           prof["top"][:12])
-    alone = args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short
+    alone = args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short or args.qwen3
     shapes = [] if alone else [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
