@@ -61,9 +61,13 @@ def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> tuple[torch.Tensor, 
     tensor or a fused layer's Pending output: the pending add runs inside the norm's kernel."""
     from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
 
-    if isinstance(x, Pending):
-        return add_rms_norm(x.residual, x.delta, norm.weight, norm.eps, x.total)
-    return add_rms_norm(x, None, norm.weight, norm.eps)
+    residual, delta, total = _parts(x)
+    return add_rms_norm(residual, delta, norm.weight, norm.eps, total)
+
+
+def _parts(x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(residual, pending delta, where the sum goes) of a layer input: one tensor has nothing pending."""
+    return (x.residual, x.delta, x.total) if isinstance(x, Pending) else (x, None, None)
 
 
 def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
@@ -73,13 +77,11 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
     and torch's GEMM."""
     from . import gemv_kernel  # imports Triton: only where it is used
 
-    residual = x.residual if isinstance(x, Pending) else x
+    residual, delta, total = _parts(x)
     if not gemv_kernel.fits(residual, weight):
         residual, hidden = fused_norm(norm, x)
         return residual, F.linear(hidden, weight, bias)
-    if isinstance(x, Pending):
-        return gemv_kernel.norm_linear(x.residual, x.delta, norm.weight, norm.eps, weight, bias, x.total)
-    return gemv_kernel.norm_linear(x, None, norm.weight, norm.eps, weight, bias)
+    return gemv_kernel.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total)
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> torch.Tensor:
