@@ -81,7 +81,7 @@ def model_kernels():
     from deepflash.argmax_kernel import rows_argmax
     from deepflash.models.decode_kernel import decode_attention
     from deepflash.models import pdl
-    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+    from deepflash.models.gemv_kernel import linear, norm_linear, silu_linear
     from deepflash.models.pdl import dependent
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
     from deepflash.models.rope_kernel import rope_and_write
@@ -108,6 +108,7 @@ def model_kernels():
         norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
         norm_linear(h, None, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
         silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
+        linear(torch.zeros(t, heads * dim, dtype=dtype), torch.zeros(hidden, heads * dim, dtype=dtype))
         if dtype == torch.bfloat16 and hidden == 576:  # launched as dependents (pdl.py), as on a Hopper GPU
             pdl.dependent = lambda device: True
             silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))

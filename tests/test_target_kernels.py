@@ -134,8 +134,8 @@ WAVES = [0, 2, 64]
 @pytest.mark.parametrize("waves", WAVES)
 def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, monkeypatch):
     """gemv_kernel's add + norm + projection and silu * up + projection against layer_kernels' separate
-    kernels and a float32 GEMM on their output, with the reduction whole or split; the sum is written
-    where it is asked for."""
+    kernels and a float32 GEMM on their output, and its projection without a prologue against the GEMM,
+    with the reduction whole or split; the sum is written where it is asked for."""
     from deepflash.models import gemv_kernel
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
 
@@ -157,6 +157,8 @@ def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype,
     assert summed is a["x"]
     torch.testing.assert_close(out.float(), linear(add_rms_norm(a["x"], None, a["gain"], 1e-6)[1]), **close)
     torch.testing.assert_close(silu_linear(a["gate_up"], a["weight"]).float(), linear(silu_mul(a["gate_up"])), **close)
+    torch.testing.assert_close(gemv_kernel.linear(a["x"], a["weight"], a["bias"]).float(), linear(a["x"], a["bias"]),
+                               **close)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,7 +174,8 @@ def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, monkeyp
     a = projection_inputs(16, dtype, seed=3)
     calls = {"add + norm": lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
              "norm": lambda sl: norm_linear(a["x"][sl], None, a["gain"], 1e-6, a["weight"])[1],
-             "silu": lambda sl: silu_linear(a["gate_up"][sl], a["weight"])}
+             "silu": lambda sl: silu_linear(a["gate_up"][sl], a["weight"]),
+             "plain": lambda sl: gemv_kernel.linear(a["x"][sl], a["weight"], a["bias"])}
     for name, call in calls.items():
         block = call(slice(0, 16))
         assert torch.equal(call(slice(4, 9)), block[4:9]), name

@@ -51,7 +51,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 CONFIGS = ((None, (64, 64, 4, 6)),)
 WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
 MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
-NORM, ADD_NORM, SILU = 0, 1, 2  # the prologue
+NORM, ADD_NORM, SILU, PLAIN = 0, 1, 2, 3  # the prologue (PLAIN: none)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -82,6 +82,14 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """(silu(gate) * up) @ weight.T + bias of a fused gate/up projection's output [..., 2I] (gate
     first), the product rounded to the weight's dtype as layer_kernels.silu_mul's output is."""
     return _launch(SILU, gate_up, gate_up, weight, gate_up, weight, bias, gate_up.shape[-1] // 2, 0.0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with no prologue (an attention output projection): what the split reduction
+    does to a weight torch's GEMM streams at a fraction of the copy bandwidth (Qwen3-8B's o projection:
+    0.62 with cuBLAS's split-K and its reduction, BENCHMARKS.md, twentieth session). Branch
+    next/gemv-plain: timed by scripts/gpu/gemv_bench.py's "o" cases, not used by the models yet."""
+    return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
 def config(n: int) -> tuple[int, int, int, int]:
@@ -139,7 +147,7 @@ if triton is not None:
     def _slice_rows(x, delta, gain, total, rows, r, k, write_total, WIDTH: tl.constexpr, MODE: tl.constexpr,
                     OUT: tl.constexpr):
         """(rows [16, BLOCK_K] of the projection's input at columns k before any 1/rms, rounded to OUT;
-        their float32 sums of squares [16], zero for silu)."""
+        their float32 sums of squares [16], zero for silu and plain)."""
         inside = (r < rows)[:, None] & (k < WIDTH)[None, :]
         if MODE == 2:  # silu(gate) * up: gate at column k, up at WIDTH + k of a 2 * WIDTH row
             at = r[:, None] * 2 * WIDTH + k[None, :]
@@ -148,6 +156,8 @@ if triton is not None:
             return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT), tl.zeros([16], dtype=tl.float32)
         at = r[:, None] * WIDTH + k[None, :]
         s = tl.load(x + at, mask=inside, other=0.0)
+        if MODE == 3:  # no prologue
+            return s.to(OUT), tl.zeros([16], dtype=tl.float32)
         if MODE == 1:
             s = (s.to(tl.float32) + tl.load(delta + at, mask=inside, other=0.0).to(tl.float32)).to(
                 total.dtype.element_ty)
@@ -160,7 +170,7 @@ if triton is not None:
     @triton.jit
     def _finish(acc, squares, bias, out, rows, n, r, cols, eps, WIDTH: tl.constexpr, MODE: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
-        if MODE != 2:
+        if MODE < 2:  # the norm's 1/rms
             acc = acc * (1.0 / tl.sqrt(squares / WIDTH + eps))[:, None]
         if HAS_BIAS:
             acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]

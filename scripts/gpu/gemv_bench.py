@@ -5,7 +5,8 @@ memory, as in a model, not from L2) and the weight bytes per second as a fractio
 bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages) of --configs with each programs-per-SM target of
 --waves (gemv_kernel.WAVES: how far the reduction is split) is timed; the best is reported, with its
 largest difference from the separate kernels' output relative to that output's largest magnitude.
-Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm) and down (silu) in bf16.
+Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
+in bf16.
 Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,...] [--waves 4,8] [--rows 1,16] [--out F]
 Ends with one JSON line."""
 
@@ -21,8 +22,8 @@ from deepflash.bench.common import copy_bandwidth
 from deepflash.models import gemv_kernel
 from deepflash.models.layer_kernels import add_rms_norm, silu_mul
 
-# name: (hidden, q/k/v rows, intermediate)
-MODELS = {"smollm2": (576, (9 + 2 * 3) * 64, 1536), "qwen3-8b": (4096, (32 + 2 * 8) * 128, 12288)}
+# name: (hidden, q/k/v rows, intermediate, query heads x head dim)
+MODELS = {"smollm2": (576, (9 + 2 * 3) * 64, 1536, 9 * 64), "qwen3-8b": (4096, (32 + 2 * 8) * 128, 12288, 32 * 128)}
 DEFAULT_CONFIGS = "16x128x4x3,32x128x4x3,64x64x4x4"
 L2_BYTES = 60 * 2**20
 DEVICE = "cuda"
@@ -44,7 +45,7 @@ def silu_then_gemm(gate_up, weight):
 def cases(rows: int):
     """(name, weight shape, fused call, separate calls, GEMM-only call), each taking the weight, per
     projection of each model."""
-    for model, (hidden, qkv, inner) in MODELS.items():
+    for model, (hidden, qkv, inner, heads_dims) in MODELS.items():
         x, delta = (torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
         gain = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
         gate_up = torch.randn(rows, 2 * inner, device=DEVICE, dtype=torch.bfloat16)
@@ -53,6 +54,10 @@ def cases(rows: int):
                    partial(norm_then_gemm, x, delta, gain), partial(F.linear, x))
         yield (f"{model} down", (hidden, inner), partial(gemv_kernel.silu_linear, gate_up),
                partial(silu_then_gemm, gate_up), partial(F.linear, silu_mul(gate_up)))
+        # the attention output projection: no prologue, so the separate form is the GEMM alone
+        attended = torch.randn(rows, heads_dims, device=DEVICE, dtype=torch.bfloat16)
+        yield (f"{model} o", (hidden, heads_dims), partial(gemv_kernel.linear, attended), partial(F.linear, attended),
+               partial(F.linear, attended))
 
 
 def cycled(call, weights):
