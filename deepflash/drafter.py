@@ -21,7 +21,7 @@ from .argmax_kernel import argmax
 from .config import DrafterConfig, ModelConfig
 from .errors import NotFound, UserError
 from .models.layers import (MLP, FusedProjections, Pending, RMSNorm, Rotary, apply_rotary, attention, embedding_rows,
-                            final_norm, fold_mask, fuse_linears, norm_linear)
+                            final_norm, fold_mask, fuse_linears, norm_linear, output_projection)
 
 
 @dataclass
@@ -121,7 +121,7 @@ class DrafterAttention(nn.Module):
         q = rope_and_write(qkv, cos, sin, ring.slots, ring.k_ring, ring.v_ring, self.heads,
                            self.kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = decode_attention(q, ring.k_ring, ring.v_ring, ring.last, ring.span)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return output_projection(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
 
 class DrafterLayer(nn.Module):

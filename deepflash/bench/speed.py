@@ -21,6 +21,9 @@ from .prompts import depth_prompts, humaneval_messages
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                   max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
 TORCH_KERNELS = " + torch target kernels"  # the suffix of the systems run with --target-kernels torch
 
 

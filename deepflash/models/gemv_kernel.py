@@ -41,6 +41,8 @@ except ImportError:  # torch's CPU builds do not bring Triton
 
 TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
 MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/kernels_ab.py)
+# the attention output projections too (layers.output_projection; False: torch's GEMM, scripts/gpu/kernels_ab.py)
+OUTPUT_PROJECTIONS = True
 # Larger weights take torch's GEMM: it streams them at 0.7-0.99 of the copy bandwidth where these
 # kernels reached 0.13-0.33 (Qwen3-8B's projections, 48-192 MB); up to SmolLM2-135M's 3.4 MB the time
 # is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
@@ -87,8 +89,9 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with no prologue (an attention output projection): what the split reduction
     does to a weight torch's GEMM streams at a fraction of the copy bandwidth (Qwen3-8B's o projection:
-    0.62 with cuBLAS's split-K and its reduction, BENCHMARKS.md, twentieth session). Branch
-    next/gemv-plain: timed by scripts/gpu/gemv_bench.py's "o" cases, not used by the models yet."""
+    0.62 with cuBLAS's split-K and its reduction, BENCHMARKS.md, twentieth session), and a kernel launched
+    as a dependent (pdl.py) where torch's GEMM ended the chain of dependent launches in every layer:
+    SmolLM2-135M's decode +2.9% (BENCHMARKS.md, twenty-first session)."""
     return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
@@ -101,11 +104,11 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def split(blocks: int, steps: int, device: torch.device) -> tuple[int, int]:
+def split(blocks: int, steps: int, device: torch.device, waves: int) -> tuple[int, int]:
     """(slices, BLOCK_K steps per slice) of a reduction of `steps` steps over `blocks` column blocks:
-    about WAVES programs per SM, every slice non-empty. It depends on the shapes only, never on the
-    number of rows, so a verify step sums each row in the same order as a decode step."""
-    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(_sms(device) * WAVES, blocks))))
+    about `waves` programs per SM (0: one slice), every slice non-empty. It depends on the shapes only,
+    never on the number of rows, so a verify step sums each row in the same order as a decode step."""
+    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(_sms(device) * waves, blocks))))
     return triton.cdiv(steps, per), per
 
 
@@ -128,7 +131,9 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
     blocks = triton.cdiv(n, block_n)
     assert blocks <= MAX_BLOCKS, (n, block_n)
-    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device)
+    # no prologue: each program walks its whole reduction, whose loads then pipeline (SmolLM2's o
+    # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session)
+    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, 0 if mode == PLAIN else WAVES)
     # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
     squares_at = slices * rows * n if slices > 1 else 0
     partial = torch.empty(squares_at + slices * blocks * TILE, dtype=torch.float32, device=x.device)

@@ -84,6 +84,16 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
     return gemv_kernel.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total)
 
 
+def output_projection(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """proj(x) for an attention output on the Triton kernels: for a decode or verify step's few rows
+    gemv_kernel.linear (a dependent launch like the kernels around it), else torch's GEMM."""
+    from . import gemv_kernel  # imports Triton: only where it is used
+
+    if gemv_kernel.OUTPUT_PROJECTIONS and gemv_kernel.fits(x, proj.weight):
+        return gemv_kernel.linear(x, proj.weight, proj.bias)
+    return proj(x)
+
+
 def final_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> torch.Tensor:
     """The stack's final norm, adding a fused layer's pending MLP output in the same kernel."""
     return fused_norm(norm, x)[1] if isinstance(x, Pending) else norm(x)

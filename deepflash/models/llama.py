@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from ..kv import KVCache
 from .base import TargetModel
 from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask,
-                     fuse_linears, fused_norm, norm_linear)
+                     fuse_linears, fused_norm, norm_linear, output_projection)
 
 
 class Attention(nn.Module):
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(layer, kv_len)
             out = attention(q, keys, values, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return output_projection(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape

@@ -1,28 +1,51 @@
-"""What the A/B scripts on the embedded pair share: arguments, the pair, HumanEval chat prompts, the
-shipped drafter, and the record's printing and writing."""
+"""What the A/B scripts on the embedded pair share: arguments, the pair (or with --random a random-weight
+SmolLM2-135M-shaped target, which needs no staged model), HumanEval chat prompts, the shipped drafter,
+and the record's printing and writing."""
 
 import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
+from deepflash.bench.speed import SMOLLM2_135M, random_engine
 from deepflash.drafter import load_drafter
+from deepflash.engine import Engine
 
 
 def embedded_ab(description: str, arguments=lambda ap: None):
-    """(args, target, tokenizer, prompts, drafter) for --device, --prompts (24), --out and what
+    """(args, target, tokenizer, prompts, drafter) for --device, --prompts (24), --random, --out and what
     `arguments` adds to the parser."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--random", action="store_true",
+                    help="a random-weight target of the embedded one's shape and random 150-250-token prompts: "
+                         "speeds without staging; on it a spec step commits one token (no draft matches)")
     ap.add_argument("--out")
     arguments(ap)
     args = ap.parse_args()
-    target, tok = embedded_pair(args.device)
-    prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
+    if args.random:
+        base = random_engine(SMOLLM2_135M, args.device)
+        target, tok = base.target, base.tokenizer
+        lengths = torch.randint(150, 250, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
+        prompts = [torch.randint(2, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i, n in enumerate(lengths)]
+    else:
+        target, tok = embedded_pair(args.device)
+        prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
     drafter = load_drafter("deepflash/drafters/smollm2-135m", target.device, target.dtype)
     return args, target, tok, prompts, drafter
+
+
+def engine(args, target, tokenizer, drafter=None, **engine_args) -> Engine:
+    """An engine on the pair; on a random target without stop tokens, so every request runs its length."""
+    made = Engine(target, tokenizer, drafter, **engine_args)
+    if args.random:
+        made.stop_ids = frozenset()
+    return made
 
 
 def report(rows: dict, out: str | None) -> None:

@@ -5,21 +5,20 @@ that run-to-run drift shows; each arm runs its prompts once untimed first. Print
 
 import json
 
-from ab_setup import embedded_ab, report
+from ab_setup import embedded_ab, engine, report
 
 import deepflash.engine as engine_module
 from deepflash.bench.accept import measure
-from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
 
 
 def main():
     args, target, tok, prompts, drafter = embedded_ab(__doc__)
-    plain, plain_outputs = measure(Engine(target, tok), prompts, SamplingParams(max_new_tokens=128))
+    plain, plain_outputs = measure(engine(args, target, tok), prompts, SamplingParams(max_new_tokens=128))
     rows = {"plain": [plain["tok_per_s"]], "torch": [], "triton": []}
     for kernels in ("torch", "triton", "torch", "triton"):
         engine_module.drafter_kernels = lambda target_kernels, drafter, kernels=kernels: kernels
-        r, outputs = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128))
+        r, outputs = measure(engine(args, target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128))
         rows[kernels].append({"acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"],
                               "draft_s": r["draft_s"], "verify_s": r["verify_s"],
                               "same_output_as_plain": sum(a == b for a, b in zip(outputs, plain_outputs))})

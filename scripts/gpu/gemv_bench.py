@@ -7,7 +7,8 @@ bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages) of --configs with each program
 largest difference from the separate kernels' output relative to that output's largest magnitude.
 Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
 in bf16.
-Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,...] [--waves 4,8] [--rows 1,16] [--out F]
+Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,...] [--waves 4,8] [--rows 1,16] [--models smollm2]
+[--out F]
 Ends with one JSON line."""
 
 import argparse
@@ -42,10 +43,11 @@ def silu_then_gemm(gate_up, weight):
     return F.linear(silu_mul(gate_up), weight)
 
 
-def cases(rows: int):
+def cases(rows: int, models: list[str]):
     """(name, weight shape, fused call, separate calls, GEMM-only call), each taking the weight, per
     projection of each model."""
-    for model, (hidden, qkv, inner, heads_dims) in MODELS.items():
+    for model in models:
+        hidden, qkv, inner, heads_dims = MODELS[model]
         x, delta = (torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
         gain = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
         gate_up = torch.randn(rows, 2 * inner, device=DEVICE, dtype=torch.bfloat16)
@@ -73,6 +75,7 @@ def main():
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES,...")
     ap.add_argument("--waves", default="4,8", help="gemv_kernel.WAVES values")
     ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--models", default=",".join(MODELS), help="of " + ", ".join(MODELS))
     ap.add_argument("--out")
     args = ap.parse_args()
     bandwidth = copy_bandwidth(torch.device(DEVICE))
@@ -81,7 +84,7 @@ def main():
     kept = gemv_kernel.CONFIGS, gemv_kernel.WAVES
     results = []
     for rows in map(int, args.rows.split(",")):
-        for name, shape, fused, separate, gemm in cases(rows):
+        for name, shape, fused, separate, gemm in cases(rows, args.models.split(",")):
             nbytes = shape[0] * shape[1] * 2
             copies = max(2, -(-2 * L2_BYTES // nbytes))
             weights = [torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]

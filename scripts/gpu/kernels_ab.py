@@ -3,25 +3,31 @@ shipped drafter): plain tok/s, spec-on tok/s, AL, draft and verify seconds, outp
 plain outputs and to the first arm's plain outputs, and with --mbu the Qwen3-8B-shaped plain decode MBU.
 An arm sets module switches (ARMS) and runs with everything else as shipped: "shipped"; "torch argmax"
 (argmax_kernel.py off); "separate projections" (models/gemv_kernel.py off: the add + norm or silu * up
-kernel, then torch's GEMM); "no dependent launches" (models/pdl.py off). The arms run in turn, twice, so
-that run-to-run drift shows; each runs its prompts once untimed first. Prints and writes one JSON.
+kernel, then torch's GEMM); "torch output projections" (the attention output projections on torch's GEMM,
+not gemv_kernel.linear); "no dependent launches" (models/pdl.py off). With --random the target is a
+random-weight one of the same shape (no staging; every spec step commits one token). `--arm` adds arms
+of any module switches (a sweep without a code change). The arms run in turn, twice, so that run-to-run
+drift shows; each runs its prompts once untimed first. Prints and writes one JSON.
 Formerly gemv_ab.py (its three arms: separate, fused, fused + PDL)."""
 
+import ast
+import importlib
 import json
 
 import torch
-from ab_setup import embedded_ab, report
+from ab_setup import embedded_ab, engine, report
 
 from deepflash import argmax_kernel
 from deepflash.bench.accept import measure
 from deepflash.bench.common import copy_bandwidth
 from deepflash.bench.speed import qwen3_8b_mbu
-from deepflash.engine import Engine
 from deepflash.models import gemv_kernel, pdl
 from deepflash.sampling import SamplingParams
 
 ARMS = {"shipped": {}, "torch argmax": {(argmax_kernel, "MAX_ROWS"): 0},
-        "separate projections": {(gemv_kernel, "MAX_ROWS"): 0}, "no dependent launches": {(pdl, "ENABLED"): False}}
+        "separate projections": {(gemv_kernel, "MAX_ROWS"): 0},
+        "torch output projections": {(gemv_kernel, "OUTPUT_PROJECTIONS"): False},
+        "no dependent launches": {(pdl, "ENABLED"): False}}
 
 
 def switched(arm: str) -> dict:
@@ -32,13 +38,33 @@ def switched(arm: str) -> dict:
     return before
 
 
+def parse_arm(text: str) -> str:
+    """Add an arm given as NAME=SWITCH;SWITCH..., each SWITCH `module.path.NAME:VALUE` under deepflash
+    (VALUE a Python literal), e.g. 'waves 2=models.gemv_kernel.WAVES:2'; returns its name."""
+    name, _, settings = text.partition("=")
+    arm = {}
+    for setting in filter(None, settings.split(";")):
+        path, _, value = setting.partition(":")
+        module, _, attr = path.strip().rpartition(".")
+        module = importlib.import_module(f"deepflash.{module}")
+        if not hasattr(module, attr):
+            raise SystemExit(f"--arm {text!r}: deepflash.{path} does not exist")
+        arm[(module, attr)] = ast.literal_eval(value.strip())
+    ARMS[name] = arm
+    return name
+
+
 def main():
     def arguments(ap):
         ap.add_argument("--arms", nargs="+", choices=ARMS, default=["shipped", "torch argmax"])
+        ap.add_argument("--arm", action="append", default=[], metavar="NAME=SWITCH;...",
+                        help="one more arm, after --arms: switches `module.path.NAME:VALUE` under deepflash, "
+                             "e.g. 'waves 2=models.gemv_kernel.WAVES:2;models.gemv_kernel.CONFIGS:((None, "
+                             "(32, 64, 4, 6)),)'")
         ap.add_argument("--mbu", action="store_true", help="each arm also measures the Qwen3-8B-shaped MBU")
 
     args, target, tok, prompts, drafter = embedded_ab(__doc__, arguments)
-    arms = args.arms
+    arms = args.arms + [parse_arm(text) for text in args.arm]
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device)
     params = SamplingParams(max_new_tokens=128)
@@ -46,8 +72,8 @@ def main():
     first_outputs = None
     for arm in [*arms, *arms]:
         before = switched(arm)
-        plain, plain_outputs = measure(Engine(target, tok), prompts, params)
-        spec, spec_outputs = measure(Engine(target, tok, drafter, spec="on"), prompts, params)
+        plain, plain_outputs = measure(engine(args, target, tok), prompts, params)
+        spec, spec_outputs = measure(engine(args, target, tok, drafter, spec="on"), prompts, params)
         first_outputs = first_outputs or plain_outputs
         row = {"plain_tok_per_s": plain["tok_per_s"], "spec_tok_per_s": spec["tok_per_s"],
                "acceptance_length": spec["acceptance_length"], "draft_s": spec["draft_s"], "verify_s": spec["verify_s"],

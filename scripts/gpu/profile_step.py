@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from deepflash.bench.speed import QWEN3_8B, random_engine, run_engine
+from deepflash.bench.speed import QWEN3_8B, SMOLLM2_135M, random_engine, run_engine
 from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
 from deepflash.models import decode_kernel, rope_kernel
@@ -16,9 +16,6 @@ from deepflash.runtime import DEFAULT_DRAFTER
 from deepflash.sampling import SamplingParams
 
 LONG_PROMPT = [100 + i % 40000 for i in range(5800)]
-SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-               max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
 
 
 def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
@@ -180,22 +177,24 @@ def main():
         print_top(f"qwen3-8b-shaped plain after {len(prompt)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
                   prof["top"][:16])
     if args.spec_only:  # with --prefill both run
-        record.setdefault("smollm2-shaped", {})["spec_on"] = spec_profile(random_engine(SMOLLM2, args.device), prompt)
+        record.setdefault("smollm2-shaped", {})["spec_on"] = spec_profile(random_engine(SMOLLM2_135M, args.device),
+                                                                           prompt)
         print_top("spec on, Triton kernels", record["smollm2-shaped"]["spec_on"]["top"])
     if args.prefill:
-        record.setdefault("smollm2-shaped", {})["prefill"] = prefill_profile(random_engine(SMOLLM2, args.device),
+        record.setdefault("smollm2-shaped", {})["prefill"] = prefill_profile(random_engine(SMOLLM2_135M, args.device),
                                                                              [170, 5849])
     if args.attention_sweep:
         record.setdefault("smollm2-shaped", {})["attention_sweep"] = attention_sweep(
-            random_engine(SMOLLM2, args.device), args.attention_sweep)
+            random_engine(SMOLLM2_135M, args.device), args.attention_sweep)
     for key, wanted, at, steps in (("depth", args.depth, LONG_PROMPT, 48), ("short", args.short, prompt, 64)):
         if wanted:
-            record.setdefault("smollm2-shaped", {})[key] = depth_profile(random_engine(SMOLLM2, args.device), at, steps)
+            record.setdefault("smollm2-shaped", {})[key] = depth_profile(random_engine(SMOLLM2_135M, args.device), at,
+                                                                         steps)
             for name, prof in record["smollm2-shaped"][key].items():
                 print_top(f"{name} after {len(at)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
                           prof["top"][:12])
     alone = args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short or args.qwen3
-    shapes = [] if alone else [("smollm2-shaped", SMOLLM2), ("qwen3-8b-shaped", QWEN3_8B)]
+    shapes = [] if alone else [("smollm2-shaped", SMOLLM2_135M), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
         prof = kernel_profile(eager, prompt, 64)
