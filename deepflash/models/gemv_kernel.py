@@ -87,11 +87,10 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias with no prologue (an attention output projection): what the split reduction
-    does to a weight torch's GEMM streams at a fraction of the copy bandwidth (Qwen3-8B's o projection:
-    0.62 with cuBLAS's split-K and its reduction, BENCHMARKS.md, twentieth session), and a kernel launched
-    as a dependent (pdl.py) where torch's GEMM ended the chain of dependent launches in every layer:
-    SmolLM2-135M's decode +2.9% (BENCHMARKS.md, twenty-first session)."""
+    """x @ weight.T + bias with no prologue (an attention output projection), each program walking its
+    whole reduction (_launch): on SmolLM2-135M's o projection faster than torch's GEMM alone, and a kernel
+    launched as a dependent (pdl.py) where torch's GEMM ended the chain of dependent launches in every
+    layer: decode +2.9% (BENCHMARKS.md, twenty-first session)."""
     return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
