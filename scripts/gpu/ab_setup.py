@@ -15,9 +15,10 @@ from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
 
 
-def embedded_ab(description: str, arguments=lambda ap: None):
+def embedded_ab(description: str, arguments=lambda ap: None, prepare=lambda args: None):
     """(args, target, tokenizer, prompts, drafter) for --device, --prompts (24), --random, --out and what
-    `arguments` adds to the parser."""
+    `arguments` adds to the parser; prepare(args) runs before the pair loads (so that a bad argument
+    fails at once)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=24)
@@ -27,6 +28,7 @@ def embedded_ab(description: str, arguments=lambda ap: None):
     ap.add_argument("--out")
     arguments(ap)
     args = ap.parse_args()
+    prepare(args)
     if args.random:
         base = random_engine(SMOLLM2_135M, args.device)
         target, tok = base.target, base.tokenizer

@@ -63,8 +63,11 @@ def main():
                              "(32, 64, 4, 6)),)'")
         ap.add_argument("--mbu", action="store_true", help="each arm also measures the Qwen3-8B-shaped MBU")
 
-    args, target, tok, prompts, drafter = embedded_ab(__doc__, arguments)
-    arms = args.arms + [parse_arm(text) for text in args.arm]
+    def add_arms(args):
+        args.arms += [parse_arm(text) for text in args.arm]
+
+    args, target, tok, prompts, drafter = embedded_ab(__doc__, arguments, add_arms)
+    arms = args.arms
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device)
     params = SamplingParams(max_new_tokens=128)
