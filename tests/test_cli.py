@@ -90,6 +90,12 @@ def test_generate_data_refuses_shares_outside_0_1(capsys, tmp_path, shares, flag
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
 
 
+def test_training_settings_are_checked_before_the_target_loads(capsys, tmp_path):
+    code, _, err = run(capsys, "train-drafter", "train", "--data", tmp_path, "--out", tmp_path / "run", "--steps", "1",
+                       "--gamma", "0", "--model", "/no/such/model")
+    assert code == 2 and "--gamma" in err and len(err.strip().splitlines()) == 1
+
+
 def test_unsupported_architecture_exits_2(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     code, _, err = run(capsys, "generate", "hi", "--model", tmp_path)

@@ -207,7 +207,7 @@ def test_write_fraction_adds_requests_from_signatures_and_summaries(tmp_path, mo
 
 
 @pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),
-                                         (dict(ckpt_every=0), "--ckpt-every")])
+                                         (dict(ckpt_every=0), "--ckpt-every"), (dict(gamma=0.0), "--gamma")])
 def test_training_settings_are_checked(bad, message):
     with pytest.raises(UserError, match=message):
         TrainConfig(**{"data": "d", "out": "o", "steps": 1, **bad}).validated()

@@ -120,6 +120,8 @@ class TrainConfig:
             raise UserError(f"--storage must be one of {', '.join(STORAGES)}, got {self.storage!r}")
         if self.norm_lr_scale <= 0:
             raise UserError(f"--norm-lr-scale must be positive, got {self.norm_lr_scale}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise UserError(f"--gamma must be positive, got {self.gamma}")
         return self
 
 
