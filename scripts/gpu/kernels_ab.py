@@ -64,7 +64,7 @@ def main():
         ap.add_argument("--mbu", action="store_true", help="each arm also measures the Qwen3-8B-shaped MBU")
 
     def add_arms(args):
-        args.arms += [parse_arm(text) for text in args.arm]
+        args.arms = args.arms + [parse_arm(text) for text in args.arm]
 
     args, target, tok, prompts, drafter = embedded_ab(__doc__, arguments, add_arms)
     arms = args.arms
