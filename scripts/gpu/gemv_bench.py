@@ -12,14 +12,13 @@ Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,...] [--waves 4,8
 Ends with one JSON line."""
 
 import argparse
-import json
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from attention_bench import device_us
 
-from deepflash.bench.common import copy_bandwidth
+from deepflash.bench.common import copy_bandwidth, finish
 from deepflash.models import gemv_kernel
 from deepflash.models.layer_kernels import add_rms_norm, silu_mul
 
@@ -109,12 +108,8 @@ def main():
                   f"{row['gemm_only_us']:7.1f} us ({row['gemm_only_of_copy']:.2f} of copy), fused "
                   f"{row['best_us']:7.1f} us ({row['best_of_copy']:.2f}) with {best}, error {row['best_error']:.1e} "
                   f"(largest {row['largest_error']:.1e})", flush=True)
-    record = {"bench": "gemv", "device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": bandwidth,
-              "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-    print(json.dumps(record))
+    finish({"bench": "gemv", "device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": bandwidth,
+            "results": results}, args.out)
 
 
 if __name__ == "__main__":
