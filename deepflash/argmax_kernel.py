@@ -4,16 +4,16 @@ torch's argmax took 13 us per call for the 1-16 rows of SmolLM2's 49152 logits o
 speculative step (the draft's and the verify's), 26 of its 1127 us of device time, and once per plain
 step (profile_step.py --short, BENCHMARKS.md, twentieth session). Here each SLICE values of a row go to a
 program of their own, which finds its slice's largest value and where it first occurs; the row's last
-slice to finish (an arrival counter, as in models/gemv_kernel.py) compares the slices in order. The
+slice to finish (an arrival counter, models/arrivals.py) compares the slices in order. The
 result is torch's, index for index: the first largest value, where a NaN counts as the largest (the first
 NaN wins). So greedy outputs do not change, only the time.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .models.arrivals import arrival_counters
 
 try:
     import triton
@@ -33,13 +33,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return rows_argmax(logits)
 
 
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """Per row, how many of its slices have finished; the last one sets it back to 0. One array per
-    device: a device's steps run one after another on its stream."""
-    return torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-
-
 def rows_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The kernel (what argmax runs on CUDA; the tests run it in Triton's interpreter)."""
     rows, vocab = logits.shape
@@ -48,7 +41,8 @@ def rows_argmax(logits: torch.Tensor) -> torch.Tensor:
     best = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     where = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _argmax[(rows, slices)](logits.contiguous(), best, where, _arrivals(logits.device), out, vocab, SLICES=slices,
+    arrivals = arrival_counters("argmax", MAX_ROWS, logits.device)  # per row
+    _argmax[(rows, slices)](logits.contiguous(), best, where, arrivals, out, vocab, SLICES=slices,
                             SLICES_POW2=triton.next_power_of_2(slices), SLICE=SLICE, num_warps=8)
     return out
 

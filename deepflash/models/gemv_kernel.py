@@ -31,6 +31,7 @@ import functools
 import torch
 
 from . import pdl
+from .arrivals import arrival_counters
 from .decode_kernel import INTERPRETED
 
 try:
@@ -111,14 +112,6 @@ def split(blocks: int, steps: int, device: torch.device, waves: int) -> tuple[in
     return triton.cdiv(steps, per), per
 
 
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """Per column block, how many of its slices have finished; the last one sets it back to 0. One
-    array per device: a device's projections run one after another on its stream (a dependent launch
-    waits for the kernel before it ends, pdl.py)."""
-    return torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
-
-
 def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     assert rows <= TILE and weight.shape[1] == width and weight.is_contiguous(), (rows, weight.shape, width)
@@ -137,9 +130,10 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     squares_at = slices * rows * n if slices > 1 else 0
     partial = torch.empty(squares_at + slices * blocks * TILE, dtype=torch.float32, device=x.device)
     dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
+    arrivals = arrival_counters("gemv", MAX_BLOCKS, x.device)  # per column block
     _gemv[(blocks, slices)](
         x.contiguous(), delta.contiguous(), gain, total, weight, weight if bias is None else bias, out,
-        partial, partial[squares_at:], _arrivals(x.device), rows, n, eps, WIDTH=width, MODE=mode,
+        partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode,
         HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, launch_pdl=dependent)
     return out
