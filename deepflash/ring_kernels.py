@@ -6,7 +6,8 @@ one row: it loads them, converts or quantizes them (per-block scale, rounding an
 as quant.py, in float32 with IEEE division and no fused multiply-add, so the bytes are the same), and
 stores them at slot = position % capacity, plus the slot's position tag. Decoding is the inverse, for a
 contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
-nibbles), so it needs no register shuffle. With SCALED, a write multiplies the rows by a per-channel
+nibbles), and a q4_0 decode stores it so, so neither shuffles registers (the decode's interleave of the
+halves went through shared memory: 240 instructions per 32-block program against 152, sm_90 SASS). With SCALED, a write multiplies the rows by a per-channel
 scale as it loads them and a decode multiplies by its inverse (features.storage_scale). A program's work
 items are the same columns of ITEMS consecutive rows, so it loads that scale once for all of them.
 Loaded per value (4 bytes next to q4_0's 0.56), the scaled dequantize measured 0.50-0.52 of the copy
@@ -199,7 +200,9 @@ if triton is not None:
                     inside, exists, FMT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                     SCALED: tl.constexpr):
         pos = tl.load(positions + r, mask=exists, other=0)
-        slot = pos % capacity
+        # a 32-bit remainder (positions are far below 2^31), where the 64-bit one called a subroutine in
+        # every program (sm_90 SASS); the product below stays 64-bit
+        slot = (pos.to(tl.int32) % capacity).to(tl.int64)
         tl.store(tags + slot, pos, mask=exists & (chunk == 0))
         out = data + slot * row_elems
         if FMT < 3:  # plain: a cast
@@ -241,33 +244,42 @@ if triton is not None:
     @triton.jit
     def _decode(data, out, inverse, row_elems, n, width, FMT: tl.constexpr, GROUPS: tl.constexpr,
                 BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr, ITEMS: tl.constexpr, STAGES: tl.constexpr):
-        group, cols, inside = _columns(_chunk(width, GROUPS), width, GROUPS, False)
+        # q4_0 decodes a block as its two halves (low and high nibbles), the others as one run of 32
+        group, cols, inside = _columns(_chunk(width, GROUPS), width, GROUPS, FMT == 4)
         s = _scale_of(inverse, cols, inside, SCALED)
+        s_high = _scale_of(inverse, cols + 16, inside, SCALED and FMT == 4)
         for i in tl.range(0, ITEMS, num_stages=STAGES):
             r, exists = _row(n, width, ITEMS, GROUPS, i)
-            _decode_item(data, out, s, row_elems, width, r, group, cols, inside & exists, exists, FMT, GROUPS,
-                         BLOCK_BYTES, SCALED)
+            _decode_item(data, out, s, s_high, row_elems, width, r, group, cols, inside & exists, exists, FMT,
+                         GROUPS, BLOCK_BYTES, SCALED)
 
     @triton.jit
-    def _decode_item(data, out, s, row_elems, width, r, group, cols, inside, exists, FMT: tl.constexpr,
+    def _decode_item(data, out, s, s_high, row_elems, width, r, group, cols, inside, exists, FMT: tl.constexpr,
                      GROUPS: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALED: tl.constexpr):
         src = data + r * row_elems
         if FMT < 3:
-            x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
+            _store_values(out, r, width, cols, tl.load(src + cols, mask=inside, other=0.0).to(tl.float32), s, inside,
+                          SCALED)
         else:
             live = (group < width // 32) & exists
             block = group * BLOCK_BYTES
             lo = tl.load(src + block, mask=live, other=0).to(tl.int32)
             hi = tl.load(src + block + 1, mask=live, other=0).to(tl.int32)
-            scale = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            scale = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
             if FMT == 3:
                 codes = tl.load(src + block[:, None] + 2 + tl.arange(0, 32)[None, :], mask=live[:, None], other=0)
-                q = codes.to(tl.int8, bitcast=True).to(tl.float32)
-            else:
+                _store_values(out, r, width, cols, scale * codes.to(tl.int8, bitcast=True).to(tl.float32), s, inside,
+                              SCALED)
+            else:  # the low nibbles are the block's first 16 values, the high ones its last 16: two stores, where
+                # interleaving them into one run of 32 went through shared memory
                 nibbles = tl.load(src + block[:, None] + 2 + tl.arange(0, 16)[None, :], mask=live[:, None], other=0)
-                both = tl.join(nibbles & 0x0F, nibbles >> 4)  # [GROUPS, 16, 2]
-                q = tl.reshape(tl.permute(both, [0, 2, 1]), [GROUPS, 32]).to(tl.float32) - 8
-            x = scale[:, None] * q
+                _store_values(out, r, width, cols, scale * ((nibbles & 0x0F).to(tl.float32) - 8), s, inside, SCALED)
+                _store_values(out, r, width, cols + 16, scale * ((nibbles >> 4).to(tl.float32) - 8), s_high, inside,
+                              SCALED)
+
+    @triton.jit
+    def _store_values(out, r, width, cols, x, s, inside, SCALED: tl.constexpr):
+        """Row r's decoded values x at cols, times their channels' inverse scale s if SCALED."""
         if SCALED:
             x = x * s
         tl.store(out + r * width + cols, x.to(out.dtype.element_ty), mask=inside)
