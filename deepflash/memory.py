@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import spec
 from .features import drafter_window
 from .quant import row_format
 
@@ -77,19 +78,21 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
     parts["workspace"] = _workspace(cfg, item, max_ctx, min(prefill_chunk, max_ctx), block, width)
-    parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), cuda_graphs)
+    aside = drafter is not None and shared_device and spec.OVERLAP_CONTEXT  # spec.Steps.aside
+    parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), cuda_graphs, aside)
     return MemoryPlan(max_ctx, window, feature_dtype, parts)
 
 
-def blas_workspaces(device: torch.device, cuda_graphs: bool) -> int:
+def blas_workspaces(device: torch.device, cuda_graphs: bool, aside: bool) -> int:
     """cuBLAS keeps one workspace per stream it runs on, allocated from torch's caching allocator:
     32 MiB on Hopper (compute capability 9), else torch's default of 2 x 4 MiB + 8 x 16 KiB
     (CUBLAS_WORKSPACE_CONFIG, which deepflash does not read, changes both). The engine runs on the
-    current stream, and with CUDA graphs also on one warm-up and one capture stream (graphs.py)."""
+    current stream, with CUDA graphs also on one warm-up and one capture stream (graphs.py), and with
+    a drafter on its device on the stream verify steps commit their features on (`aside`, spec.py)."""
     if device.type != "cuda":
         return 0
     each = 32 * 2**20 if torch.cuda.get_device_capability(device)[0] == 9 else 2 * 4 * 2**20 + 8 * 16 * 2**10
-    return each * (3 if cuda_graphs else 1)
+    return each * ((3 if cuda_graphs else 1) + aside)
 
 
 def _workspace(cfg, item: int, max_ctx: int, chunk: int, block: int, width: int) -> int:

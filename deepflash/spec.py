@@ -12,11 +12,19 @@ sample at temperature > 0); accept the longest prefix with d_k == c_(k-1), plus 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .drafter import DFlashDrafter, DrafterContext, propose
 from .features import FeatureStore
 from .sampling import SamplingParams, choose
+
+# A verify block's features go to the rings and the drafter's context K/V whatever it accepts (Steps.
+# verify), so on CUDA that work runs on a stream of its own from the moment the taps exist, beside the
+# target's last layers, head and choice, where it ran after them (False: after them on the step's own
+# stream; scripts/gpu/kernels_ab.py --arm "...=spec.OVERLAP_CONTEXT:False")
+OVERLAP_CONTEXT = True
 
 
 class StepState:
@@ -42,6 +50,9 @@ class Steps:
         self.target, self.cache, self.state = target, cache, state
         self.drafter, self.features, self.context = drafter, features, context
         self.taps = drafter.cfg.target_layer_ids if drafter is not None else ()
+        beside = OVERLAP_CONTEXT and drafter is not None and target.device.type == "cuda"
+        # one device only: the drafter's work on another device would not follow the stream
+        self.aside = context_stream(target.device) if beside and drafter.device == target.device else None
 
     def prefill(self, size: int, kv_len: int, params: SamplingParams) -> None:
         """The next `size` prompt tokens (state.prompt from state.start): their KV, features and drafter
@@ -85,17 +96,20 @@ class Steps:
         q_pos = s.start + torch.arange(size, device=s.start.device)
         drafts = s.drafts[: size - 1]
         block = torch.cat([s.last, drafts])[None]
-        logits, feats = self.target(block, q_pos, self.cache, kv_len, capture=self.taps)
+        # features of the whole block go in; positions past the accepted prefix stay invisible to the
+        # drafter (masks admit only positions < start) until a later step commits and rewrites them. So
+        # the commit needs the taps alone and starts as soon as they exist (_commit_beside)
+        logits, _ = self.target(block, q_pos, self.cache, kv_len, capture=self.taps,
+                                on_features=functools.partial(self._commit_beside, q_pos))
         choices = choose(logits[0], q_pos + 1, params, s.seed)
         accepted = (drafts == choices[:-1]).cumprod(0).sum()
         self.cache.keep(accepted + 1)
-        # features of the whole block go in; positions past the accepted prefix stay invisible to the
-        # drafter (masks admit only positions < start) until a later step commits and rewrites them
-        self._commit(q_pos, feats)
         s.result[:1].copy_(accepted.view(1))
         s.result[1 : size + 1].copy_(choices)
         s.last.copy_(choices.gather(0, accepted.view(1)))  # gather, not choices[accepted]: no host sync
         s.start += accepted + 1
+        if self.aside is not None:  # the step ends when the commit has
+            torch.cuda.current_stream().wait_stream(self.aside)
 
     def catch_up(self, begin: int, end: int) -> None:
         """The drafter's context K/V of committed positions [begin, end) that plain steps left to the
@@ -106,8 +120,32 @@ class Steps:
             positions = torch.arange(begin, end, device=self.drafter.device)
             self.context.append(positions, self.features.mirror.read(begin, end - begin))
 
+    def _commit_beside(self, positions: torch.Tensor, feats: torch.Tensor) -> None:
+        """_commit on the aside stream, after the work queued so far (the taps), where there is one. The
+        tensors it reads outlive the step function, and those it makes are freed on that stream, so the
+        caching allocator reuses no block across the two streams before they join (verify). Its kernels
+        share no state with the target's running beside them: its projections are torch's GEMMs, not
+        gemv_kernel's, whose split reductions count arrivals in one array per device."""
+        if self.aside is None:
+            return self._commit(positions, feats)
+        self.aside.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.aside):
+            self._commit(positions, feats)
+
     def _commit(self, positions: torch.Tensor, feats: torch.Tensor | None) -> None:
         if self.features is None:
             return
         kept, rows = self.features.commit(positions, feats.reshape(-1, feats.shape[-1]))
         self.context.append(kept, rows)
+
+
+def context_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream verify steps commit their features on (Steps._commit_beside), one per device for all
+    engines of the process: cuBLAS keeps a 32 MiB workspace per stream it has run on (graphs.py)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _context_stream(index)
+
+
+@functools.cache
+def _context_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))

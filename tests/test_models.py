@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from deepflash.config import ModelConfig, RopeConfig
-from deepflash.models import build_from_state
+from deepflash.models import build_from_state, random_model
 from deepflash.models.layers import rope_frequencies
-from helpers import check_left_padded_batch
+from helpers import check_left_padded_batch, llama_config
 
 TOL = 1e-4
 
@@ -209,3 +209,14 @@ def test_auto_target_kernels_pick_torch_off_cuda_and_refuse_unknown_kinds():
         target.use_kernels("cuda")
 
 
+@pytest.mark.parametrize("capture", [(0, 2), (0, 1), (1,)])
+def test_features_reach_on_features_once_before_the_head(capture):
+    """forward hands the tap features to on_features once, before the head runs (spec.Steps.verify
+    commits them beside the target's last layers), equal to the features it returns."""
+    model = random_model(llama_config(num_hidden_layers=3), "cpu", torch.float32, std=0.2)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    seen, head_calls = [], []
+    model.lm_head.register_forward_pre_hook(lambda module, args: head_calls.append(len(seen)))
+    _, features = model(ids, torch.arange(5), model.new_cache(1, 8), 5, capture=capture,
+                        on_features=lambda f: seen.append(f.clone()))
+    assert head_calls == [1] and len(seen) == 1 and torch.equal(seen[0], features)

@@ -12,6 +12,13 @@ from .layers import FusedProjections, embedding_rows, final_norm, tap
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
 
 
+def _features(taps: dict, capture, on_features) -> torch.Tensor:
+    features = torch.cat([taps[i] for i in capture], dim=-1)
+    if on_features is not None:
+        on_features(features)
+    return features
+
+
 class TargetModel(FusedProjections):
     """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
 
@@ -76,19 +83,26 @@ class TargetModel(FusedProjections):
             x = x[:, -1:]
         return self.lm_head(x)
 
-    def run_layers(self, x: torch.Tensor, run_layer, capture, logits: str):
+    def run_layers(self, x: torch.Tensor, run_layer, capture, logits: str, on_features=None):
         """The decoder stack, final norm and head; collects the residual outputs of the `capture` layers
-        (transformers' hidden_states[i + 1]: the last layer's is the normed state) concatenated."""
+        (transformers' hidden_states[i + 1]: the last layer's is the normed state) concatenated.
+        on_features(features), if given, is called as soon as they exist: after the layer that follows
+        the last tap (its input kernel writes the sum the tap names: layers.tap), before the rest."""
         taps = {}
         last = len(self.model.layers) - 1
+        complete = max(capture, default=last) + 1  # the layer after which every tap exists
+        features = None
         for i, layer in enumerate(self.model.layers):
             x = run_layer(i, layer, x)
             if i in capture and i != last:
                 taps[i], x = tap(x, self.model.layers[i + 1].input_layernorm)
+            if i == complete:
+                features = _features(taps, capture, on_features)
         x = final_norm(self.model.norm, x)
         if last in capture:
             taps[last] = x
-        features = torch.cat([taps[i] for i in capture], dim=-1) if capture else None
+        if features is None and capture:
+            features = _features(taps, capture, on_features)
         return self.project(x, logits), features
 
     # --- cost accounting (memory plan, MBU in the benchmarks) ---------------------------------------

@@ -144,12 +144,14 @@ class LlamaModel(TargetModel):
         cfg = self.cfg
         return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
 
-    def forward(self, tokens, positions, cache, kv_len=None, *, capture=(), logits="all", key_mask=None):
-        """capture: target layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]).
-        logits: "all", "last" or "none". key_mask [B, S]: False on left-padding slots of batched prompts."""
+    def forward(self, tokens, positions, cache, kv_len=None, *, capture=(), logits="all", key_mask=None,
+                on_features=None):
+        """capture: target layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]);
+        on_features: called with them as soon as they exist (run_layers). logits: "all", "last" or "none".
+        key_mask [B, S]: False on left-padding slots of batched prompts."""
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         mask = self.attention_mask(positions, kv_len, key_mask, x.dtype)
         return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, positions, cache, i, kv_len, mask),
-                               capture, logits)
+                               capture, logits, on_features)

@@ -174,9 +174,10 @@ class Qwen35Model(TargetModel):
                            rollback, rollback_tokens)
 
     def forward(self, tokens, positions, cache: HybridCache, kv_len=None, *, capture=(), logits="all",
-                key_mask=None):
-        """capture: layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]).
-        logits: "all", "last" or "none". key_mask [B, S]: False on left-padding slots of batched prompts."""
+                key_mask=None, on_features=None):
+        """capture: layer ids whose residual outputs are returned concatenated (HF hidden_states[i+1]);
+        on_features: called with them as soon as they exist (run_layers). logits: "all", "last" or "none".
+        key_mask [B, S]: False on left-padding slots of batched prompts."""
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         def rerun(n: int) -> None:  # what the replay rollback runs: this forward's first n tokens again
             self(tokens[:, :n], positions[:n], cache, kv_len, logits="none", key_mask=key_mask)
@@ -187,7 +188,7 @@ class Qwen35Model(TargetModel):
         live = None if key_mask is None else key_mask[:, positions]
         mask = forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         step = Step(cos, sin, positions, cache, kv_len, mask, live)
-        return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits)
+        return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits, on_features)
 
     # --- cost accounting -------------------------------------------------------------------------------
     @property
