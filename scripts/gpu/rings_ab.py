@@ -12,7 +12,7 @@ import sys
 
 import deepflash
 from deepflash import ring_kernels
-from deepflash.bench.common import copy_bandwidth
+from deepflash.bench.common import copy_bandwidth, finish
 from deepflash.bench.rings import measure
 from deepflash.quant import FORMATS
 from deepflash.runtime import resolve_device
@@ -46,11 +46,8 @@ def main():
                 {"write": round(r["write_fraction_of_copy"], 3), "dequantize": round(r["dequant_fraction_of_copy"], 3)})
             print(arm, fmt, json.dumps(rows[arm][fmt][-1]), flush=True)
     deepflash.ring_kernels = ring_kernels
-    record = {"bench": "rings_ab", "copy_bandwidth_gb_s": bandwidth, "rows": args.rows, "fraction_of_copy": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-    print(json.dumps(record))
+    finish({"bench": "rings_ab", "copy_bandwidth_gb_s": bandwidth, "rows": args.rows, "fraction_of_copy": rows},
+           args.out)
 
 
 if __name__ == "__main__":
