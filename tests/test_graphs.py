@@ -36,3 +36,25 @@ def test_an_engine_leaves_no_memory_behind():
     run_engine()
     gc.collect()
     assert torch.cuda.memory_allocated() == after_first
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_the_feature_commit_beside_the_target_changes_nothing(cuda_graphs, monkeypatch):
+    """spec.OVERLAP_CONTEXT puts a verify step's feature commit on a stream of its own (spec.Steps.aside):
+    the output, the feature ring and the drafter's context K/V after a request equal, bit for bit, those
+    of the commit on the step's own stream, with and without CUDA graphs."""
+    from deepflash import spec
+
+    target, tokenizer = tiny_target_and_tokenizer(torch.device("cuda"))
+    drafter = tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).cuda()
+    runs = []
+    for beside in (True, False):
+        monkeypatch.setattr(spec, "OVERLAP_CONTEXT", beside)
+        engine = Engine(target, tokenizer, drafter, spec="on", max_ctx=128, cuda_graphs=cuda_graphs)
+        assert (engine.steps.aside is not None) == beside
+        result = engine.complete(list(range(5, 40)), SamplingParams(max_new_tokens=40))
+        runs.append((result.token_ids, engine.steps.features.ring.data.clone(),
+                     [k.clone() for k in engine.steps.context.k]))
+    (out, ring, keys), (out_after, ring_after, keys_after) = runs
+    assert out == out_after and torch.equal(ring, ring_after)
+    assert all(torch.equal(a, b) for a, b in zip(keys, keys_after))
