@@ -423,8 +423,10 @@ def test_a_batch_trains_like_its_sequences_one_by_one(dataset, tmp_path):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-5)
 
 
-def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypatch):
-    """Batches whose masks would exceed MASK_ELEMENTS run in parts: same loss and accuracy."""
+@pytest.mark.parametrize("limit", ["MASK_ELEMENTS", "PART_QUERIES"])
+def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypatch, limit):
+    """Batches whose masks would exceed MASK_ELEMENTS, or whose block queries PART_QUERIES, run in parts:
+    same loss and accuracy."""
     from deepflash.train import trainer as trainer_module
 
     target, tok, data, _ = dataset
@@ -433,7 +435,9 @@ def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypat
                       torch.device("cpu"))
     batch = trainer.train_seqs[:5]
     whole = trainer.batch_loss(batch, train=False)
-    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (16 * 4 + max(map(len, batch))) * 2)  # 16-block chunks
+    two_rows = {"MASK_ELEMENTS": 64 * 4 * (16 * 4 + max(map(len, batch))) * 2,  # 16-block chunks
+                "PART_QUERIES": 64 * 4 * 2}
+    monkeypatch.setattr(trainer_module, limit, two_rows[limit])
     assert len(trainer._parts(batch)) >= 3
     split = trainer.batch_loss(batch, train=False)
     torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)

@@ -176,6 +176,11 @@ def drafter_config_for(target_cfg, tc: TrainConfig, mask_token: int, trained_ctx
 
 
 MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as booleans
+# block queries per training forward (Trainer._parts). Activations grow with the queries, --anchors
+# blocks for every sequence however short, not with the batch's tokens: a part of 48 short sequences
+# (196,608 queries) had 54 GiB allocated when it ran out of memory beside a second training run on an
+# H200 (twenty-second session); at that rate this bound is ~18 GiB
+PART_QUERIES = 1 << 16
 
 
 def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -491,14 +496,16 @@ class Trainer:
                               anchors, real, self.weights, attention, final, label, self.tc.attention_chunk)
 
     def _parts(self, batch: list[Sequence]) -> list[list[Sequence]]:
-        """The batch in parts whose attention masks stay within MASK_ELEMENTS (rows x queries x keys, the
-        keys being the context and one query chunk's blocks): the mask is the largest tensor of a
-        training forward (the additive form SDPA reads is 2 bytes per element per query head group)."""
+        """The batch in parts of at most PART_QUERIES block queries whose attention masks stay within
+        MASK_ELEMENTS (rows x queries x keys, the keys being the context and one query chunk's blocks):
+        the mask is the largest tensor of a training forward (the additive form SDPA reads is 2 bytes per
+        element per query head group)."""
         queries = self.tc.anchors * self.cfg.block_size
         parts: list[list[Sequence]] = [[]]
         for seq in sorted(batch, key=len):
             keys = self._padded(len(seq)) + (self.tc.attention_chunk * self.cfg.block_size or queries)
-            if parts[-1] and (len(parts[-1]) + 1) * queries * keys > MASK_ELEMENTS:
+            rows = len(parts[-1]) + 1
+            if parts[-1] and (rows * queries * keys > MASK_ELEMENTS or rows * queries > PART_QUERIES):
                 parts.append([])
             parts[-1].append(seq)
         return parts
