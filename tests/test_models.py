@@ -5,7 +5,7 @@ import torch
 
 from deepflash.config import ModelConfig, RopeConfig
 from deepflash.models import build_from_state, random_model
-from deepflash.models.layers import rope_frequencies
+from deepflash.models.layers import RMSNorm, rope_frequencies
 from helpers import check_left_padded_batch, llama_config
 
 TOL = 1e-4
@@ -220,3 +220,21 @@ def test_features_reach_on_features_once_before_the_head(capture):
     _, features = model(ids, torch.arange(5), model.new_cache(1, 8), 5, capture=capture,
                         on_features=lambda f: seen.append(f.clone()))
     assert head_calls == [1] and len(seen) == 1 and torch.equal(seen[0], features)
+
+
+def test_rms_norm_of_bf16_activations_with_float32_gains_takes_the_fused_op():
+    """Training's autocast feeds bf16 activations to float32 gains: the norm casts the gain so that
+    torch's fused op runs (it warns and writes the op out otherwise), and the result is the float32
+    norm's, rounded to bf16."""
+    import warnings
+
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(8, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = norm(x.bfloat16())
+    want = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -31,7 +31,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # the op is fused only for a gain of x's dtype: under training's autocast bf16 activations meet
+        # float32 gains, which took the written-out form (torch warns "Cannot dispatch to fused")
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
 @dataclass(frozen=True)

@@ -176,10 +176,11 @@ def drafter_config_for(target_cfg, tc: TrainConfig, mask_token: int, trained_ctx
 
 
 MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as booleans
-# block queries per training forward (Trainer._parts). Activations grow with the queries, --anchors
-# blocks for every sequence however short, not with the batch's tokens: a part of 48 short sequences
+# block queries per training forward (Trainer._parts). Activations grow with the queries (--anchors
+# blocks for every sequence, however short), not with the batch's tokens: a part of 48 short sequences
 # (196,608 queries) had 54 GiB allocated when it ran out of memory beside a second training run on an
-# H200 (twenty-second session); at that rate this bound is ~18 GiB
+# H200. On batches of ~22 short sequences this bound took the peak from 14.5 to 9.4 GiB for 1% more
+# time per step (twenty-second session, profile_train.py --part-queries)
 PART_QUERIES = 1 << 16
 
 

@@ -7,6 +7,11 @@ then, for the default, the host-side time by function (cProfile) and the top ker
 a few steps. Ends with one JSON line.
 
     python3 scripts/gpu/profile_train.py --out profile_train.json
+
+`--part-queries 65536,1073741824` instead times SDPA steps and their peak memory per value of
+trainer.PART_QUERIES (the block queries one training forward may hold); `--short` makes every prompt
+150-700 tokens (the batches with the most anchor blocks per token) and `--random` trains against a
+random-weight target of the embedded one's shape (no staging).
 """
 
 from __future__ import annotations
@@ -20,19 +25,22 @@ from pathlib import Path
 
 import torch
 
-from deepflash.models import load_target
+from deepflash.bench.speed import SMOLLM2_135M
+from deepflash.config import ModelConfig
+from deepflash.models import load_target, random_model
 from deepflash.tokenizer import load_tokenizer
+from deepflash.train import trainer as trainer_module
 from deepflash.train.shards import Sequence, iter_batches, write_shard
 from deepflash.train.trainer import TrainConfig, Trainer
 
 
-def synthetic_data(folder: Path, vocab: int, count: int, seed: int, response: int = 320) -> None:
+def synthetic_data(folder: Path, vocab: int, count: int, seed: int, response: int = 320, short: bool = False) -> None:
     """Sequences of random lengths; a new seed per variant, so that no variant meets shapes (and their
     cached kernel plans) that an earlier one made."""
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(count):  # like the generated data: about half short tasks, half whole-module ones
-        low, high = (150, 700) if i % 2 else (1500, 7500)
+        low, high = (150, 700) if i % 2 or short else (1500, 7500)
         prompt = int(torch.randint(low, high, (1,), generator=gen))
         tokens = torch.randint(0, vocab, (prompt + response,), generator=gen)
         mask = torch.zeros(prompt + response, dtype=torch.bool)
@@ -112,40 +120,79 @@ def host_top(trainer: Trainer, steps: int) -> list[dict]:
     return rows[:60]
 
 
+def part_queries_runs(args, target, tokenizer, device, tmp: str) -> list[dict]:
+    """SDPA steps per trainer.PART_QUERIES value: step time, sequence tokens/s and peak memory."""
+    runs = []
+    for index, value in enumerate(int(v) for v in args.part_queries.split(",")):
+        trainer_module.PART_QUERIES = value
+        run = {"part_queries": value, "short": args.short, "random": args.random}
+        try:
+            # the same sequences for every value (seed 0), three times the default's, so that each times
+            # the same batches
+            trainer = make_trainer(args, target, tokenizer, device, Path(tmp) / f"parts-{index}", "sdpa", 0, 3)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            run.update(timed_steps(trainer, args.steps))
+            if device.type == "cuda":
+                run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            del trainer
+        except Exception as err:  # noqa: BLE001 - a failing value is a result here
+            run["error"] = f"{type(err).__name__}: {err}"
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+    return runs
+
+
+def make_trainer(args, target, tokenizer, device, data: Path, attention: str, seed: int, more: int = 1) -> Trainer:
+    synthetic_data(data, target.cfg.vocab_size, (64 if device.type == "cuda" else 3) * more, seed=seed,
+                   short=args.short)
+    tc = TrainConfig(data=str(data), out=str(data / "run"), layers=3, batch_tokens=16384, steps=1000,
+                     attention=attention, device=args.device, eval_every=10**9, ckpt_every=10**9,
+                     mask_token_id=target.cfg.vocab_size - 1 if tokenizer is None else None)
+    return Trainer(tc, target, tokenizer, device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device", default="cuda")  # cpu: a dry run of the script itself
     ap.add_argument("--out", required=True)
+    ap.add_argument("--random", action="store_true", help="a random-weight target of the embedded one's shape")
+    ap.add_argument("--short", action="store_true", help="every prompt 150-700 tokens")
+    ap.add_argument("--part-queries", help="comma-separated trainer.PART_QUERIES values to time (SDPA only)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    target, folder = load_target(None, device, torch.bfloat16)
-    tokenizer = load_tokenizer(folder)
+    if args.random:
+        target = random_model(ModelConfig.from_hf(SMOLLM2_135M), device=device, dtype=torch.bfloat16, seed=0,
+                              std=0.02, on_device=True)
+        tokenizer = None  # the mask token is then the vocabulary's last id
+    else:
+        target, folder = load_target(None, device, torch.bfloat16)
+        tokenizer = load_tokenizer(folder)
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        # the first variant is the default, whose time is then broken down; query chunks of 0, 4 and 8
-        # anchor blocks were measured in the eleventh session (BENCHMARKS.md)
-        chunk = TrainConfig.attention_chunk
-        for index, attention in enumerate(("sdpa", "flex")):
-            data = Path(tmp) / f"data-{index}"
-            synthetic_data(data, target.cfg.vocab_size, 64 if device.type == "cuda" else 3, seed=index)
-            tc = TrainConfig(data=str(data), out=str(Path(tmp) / "run"), layers=3,
-                             batch_tokens=16384, steps=1000, attention=attention, device=args.device,
-                             eval_every=10**9, ckpt_every=10**9, attention_chunk=chunk)
-            run = {"attention": attention, "batch_tokens": 16384, "attention_chunk": chunk}
-            try:
-                trainer = Trainer(tc, target, tokenizer, device)
-                run.update(timed_steps(trainer, args.steps))
-                if device.type == "cuda":
-                    run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            except Exception as err:  # noqa: BLE001 - a failing path is a result here
-                run["error"] = f"{type(err).__name__}: {err}"
-            print(json.dumps(run), flush=True)
-            record["runs"].append(run)
-            if index == 0 and "error" not in run:  # where the training time goes now
-                record["host_top"] = host_top(trainer, 3)
-                if device.type == "cuda":
-                    record["top"] = kernel_top(trainer, 3)
+        if args.part_queries:
+            record["runs"] = part_queries_runs(args, target, tokenizer, device, tmp)
+        else:
+            # the first variant is the default, whose time is then broken down; query chunks of 0, 4 and 8
+            # anchor blocks were measured in the eleventh session (BENCHMARKS.md)
+            for index, attention in enumerate(("sdpa", "flex")):
+                run = {"attention": attention, "batch_tokens": 16384, "attention_chunk": TrainConfig.attention_chunk}
+                try:
+                    trainer = make_trainer(args, target, tokenizer, device, Path(tmp) / f"data-{index}", attention,
+                                           index)
+                    run.update(timed_steps(trainer, args.steps))
+                    if device.type == "cuda":
+                        run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                except Exception as err:  # noqa: BLE001 - a failing path is a result here
+                    run["error"] = f"{type(err).__name__}: {err}"
+                print(json.dumps(run), flush=True)
+                record["runs"].append(run)
+                if index == 0 and "error" not in run:  # where the training time goes now
+                    record["host_top"] = host_top(trainer, 3)
+                    if device.type == "cuda":
+                        record["top"] = kernel_top(trainer, 3)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps({"runs": record["runs"]}))
