@@ -147,7 +147,7 @@ def part_queries_runs(args, target, tokenizer, device, tmp: str) -> list[dict]:
 def make_trainer(args, target, tokenizer, device, data: Path, attention: str, seed: int, more: int = 1) -> Trainer:
     synthetic_data(data, target.cfg.vocab_size, (64 if device.type == "cuda" else 3) * more, seed=seed,
                    short=args.short)
-    tc = TrainConfig(data=str(data), out=str(data / "run"), layers=3, batch_tokens=16384, steps=1000,
+    tc = TrainConfig(data=str(data), out=str(data.with_name(f"{data.name}-run")), layers=3, batch_tokens=16384, steps=1000,
                      attention=attention, device=args.device, eval_every=10**9, ckpt_every=10**9,
                      mask_token_id=target.cfg.vocab_size - 1 if tokenizer is None else None)
     return Trainer(tc, target, tokenizer, device)
