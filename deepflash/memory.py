@@ -78,7 +78,7 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
     parts["workspace"] = _workspace(cfg, item, max_ctx, min(prefill_chunk, max_ctx), block, width)
-    aside = drafter is not None and shared_device and spec.OVERLAP_CONTEXT  # spec.Steps.aside
+    aside = drafter is not None and spec.commits_aside(torch.device(device).type == "cuda", shared_device)
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), cuda_graphs, aside)
     return MemoryPlan(max_ctx, window, feature_dtype, parts)
 

@@ -27,6 +27,13 @@ from .sampling import SamplingParams, choose
 OVERLAP_CONTEXT = True
 
 
+def commits_aside(cuda: bool, shared_device: bool) -> bool:
+    """Whether verify steps commit features on their own stream (Steps.aside; the memory plan counts its
+    cuBLAS workspace): on CUDA, with the drafter on the target's device (the drafter's work on another
+    device would not follow the stream)."""
+    return OVERLAP_CONTEXT and cuda and shared_device
+
+
 class StepState:
     """Inputs and outputs of the step functions, on the device."""
 
@@ -50,9 +57,8 @@ class Steps:
         self.target, self.cache, self.state = target, cache, state
         self.drafter, self.features, self.context = drafter, features, context
         self.taps = drafter.cfg.target_layer_ids if drafter is not None else ()
-        beside = OVERLAP_CONTEXT and drafter is not None and target.device.type == "cuda"
-        # one device only: the drafter's work on another device would not follow the stream
-        self.aside = context_stream(target.device) if beside and drafter.device == target.device else None
+        beside = drafter is not None and commits_aside(target.device.type == "cuda", drafter.device == target.device)
+        self.aside = context_stream(target.device) if beside else None
 
     def prefill(self, size: int, kv_len: int, params: SamplingParams) -> None:
         """The next `size` prompt tokens (state.prompt from state.start): their KV, features and drafter

@@ -95,12 +95,17 @@ def never_matching_drafter(like: DFlashDrafter) -> DFlashDrafter:
     return materialize(drafter, like.device).eval().requires_grad_(False).fuse_projections()
 
 
+def random_target(shape: dict, device: torch.device | str):
+    """A random-weight bf16 target of an HF config shape (the same weights every call)."""
+    return random_model(ModelConfig.from_hf(shape), device=device, dtype=torch.bfloat16, seed=0, std=0.02,
+                        on_device=True)
+
+
 def random_engine(shape: dict, device: torch.device | str, **engine_args) -> Engine:
-    """An engine over a random-weight bf16 target of an HF config shape, without stop tokens (random
-    weights: every request generates exactly max_new tokens)."""
-    cfg = ModelConfig.from_hf(shape)
-    target = random_model(cfg, device=device, dtype=torch.bfloat16, seed=0, std=0.02, on_device=True)
-    engine = Engine(target, word_tokenizer(cfg.vocab_size), max_ctx=2048, **engine_args)
+    """An engine over random_target(shape), without stop tokens (random weights: every request
+    generates exactly max_new tokens)."""
+    target = random_target(shape, device)
+    engine = Engine(target, word_tokenizer(target.cfg.vocab_size), max_ctx=2048, **engine_args)
     engine.stop_ids = frozenset()
     return engine
 

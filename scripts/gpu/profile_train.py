@@ -21,13 +21,13 @@ import json
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from deepflash.bench.speed import SMOLLM2_135M
-from deepflash.config import ModelConfig
-from deepflash.models import load_target, random_model
+from deepflash.bench.speed import SMOLLM2_135M, random_target
+from deepflash.models import load_target
 from deepflash.tokenizer import load_tokenizer
 from deepflash.train import trainer as trainer_module
 from deepflash.train.shards import Sequence, iter_batches, write_shard
@@ -120,26 +120,34 @@ def host_top(trainer: Trainer, steps: int) -> list[dict]:
     return rows[:60]
 
 
+def timed_run(run: dict, make, steps: int, device) -> Trainer | None:
+    """Time `steps` steps of the trainer make() builds and their peak memory into `run` (or the error
+    that stopped them); returns the trainer, None on an error."""
+    try:
+        trainer = make()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        run.update(timed_steps(trainer, steps))
+        if device.type == "cuda":
+            run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except Exception as err:  # noqa: BLE001 - a failing variant is a result here
+        run["error"] = f"{type(err).__name__}: {err}"
+        trainer = None
+    print(json.dumps(run), flush=True)
+    return trainer
+
+
 def part_queries_runs(args, target, tokenizer, device, tmp: str) -> list[dict]:
     """SDPA steps per trainer.PART_QUERIES value: step time, sequence tokens/s and peak memory."""
     runs = []
     for index, value in enumerate(int(v) for v in args.part_queries.split(",")):
         trainer_module.PART_QUERIES = value
         run = {"part_queries": value, "short": args.short, "random": args.random}
-        try:
-            # the same sequences for every value (seed 0), three times the default's, so that each times
-            # the same batches
-            trainer = make_trainer(args, target, tokenizer, device, Path(tmp) / f"parts-{index}", "sdpa", 0, 3)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            run.update(timed_steps(trainer, args.steps))
-            if device.type == "cuda":
-                run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            del trainer
-        except Exception as err:  # noqa: BLE001 - a failing value is a result here
-            run["error"] = f"{type(err).__name__}: {err}"
+        # the same sequences for every value (seed 0), three times the default's, so that each times the
+        # same batches
+        timed_run(run, partial(make_trainer, args, target, tokenizer, device, Path(tmp) / f"parts-{index}", "sdpa",
+                               0, 3), args.steps, device)
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        print(json.dumps(run), flush=True)
         runs.append(run)
     return runs
 
@@ -164,8 +172,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if args.random:
-        target = random_model(ModelConfig.from_hf(SMOLLM2_135M), device=device, dtype=torch.bfloat16, seed=0,
-                              std=0.02, on_device=True)
+        target = random_target(SMOLLM2_135M, device)
         tokenizer = None  # the mask token is then the vocabulary's last id
     else:
         target, folder = load_target(None, device, torch.bfloat16)
@@ -179,17 +186,10 @@ def main() -> None:
             # anchor blocks were measured in the eleventh session (BENCHMARKS.md)
             for index, attention in enumerate(("sdpa", "flex")):
                 run = {"attention": attention, "batch_tokens": 16384, "attention_chunk": TrainConfig.attention_chunk}
-                try:
-                    trainer = make_trainer(args, target, tokenizer, device, Path(tmp) / f"data-{index}", attention,
-                                           index)
-                    run.update(timed_steps(trainer, args.steps))
-                    if device.type == "cuda":
-                        run["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                except Exception as err:  # noqa: BLE001 - a failing path is a result here
-                    run["error"] = f"{type(err).__name__}: {err}"
-                print(json.dumps(run), flush=True)
+                trainer = timed_run(run, partial(make_trainer, args, target, tokenizer, device,
+                                                 Path(tmp) / f"data-{index}", attention, index), args.steps, device)
                 record["runs"].append(run)
-                if index == 0 and "error" not in run:  # where the training time goes now
+                if index == 0 and trainer is not None:  # where the training time goes now
                     record["host_top"] = host_top(trainer, 3)
                     if device.type == "cuda":
                         record["top"] = kernel_top(trainer, 3)
