@@ -1,10 +1,12 @@
 """The benchmarks' own bookkeeping (their GPU figures live in BENCHMARKS.md)."""
 
+import argparse
+
 import pytest
 import torch
 
 from deepflash.bench.accept import copied_from_beyond, measure, paired_change
-from deepflash.bench.rings import parse_shape
+from deepflash.bench.rings import parse_shape, run as run_rings
 from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
 from deepflash.ring_kernels import Shape
 from deepflash.engine import Engine
@@ -26,6 +28,12 @@ def test_ring_shapes_parse_or_explain():
     for bad in ("32-4", "32x4x2", "16x0"):
         with pytest.raises(UserError, match="GROUPSxWARPS"):
             parse_shape(bad)
+
+
+def test_ring_graph_timing_refuses_a_device_without_cuda_graphs():
+    args = argparse.Namespace(triton_shapes=None, device="cpu", graphs=True)
+    with pytest.raises(UserError, match="--graphs times CUDA graphs"):
+        run_rings(args)
 
 
 def test_accept_counts_only_its_timed_pass():

@@ -20,6 +20,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def graph_seconds(fn, calls: int = 20, replays: int = 10) -> float:
+    """Device seconds of one call of fn on CUDA: a graph of `calls` calls, replayed, so the time is the
+    kernels' own, without the host's launches between them (a Triton launch from Python costs tens of
+    microseconds, as long as some of the kernels it times)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1e3 / (calls * replays)
+
+
 def copy_bandwidth(device: torch.device, megabytes: int = 2048, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (the ceiling the
     brief's MBU figures are relative to)."""

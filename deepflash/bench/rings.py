@@ -10,12 +10,17 @@ from ..errors import UserError
 from ..features import FeatureRing
 from ..quant import FORMATS
 from ..runtime import resolve_device
-from .common import copy_bandwidth, environment, finish, sync, table
+from .common import copy_bandwidth, environment, finish, graph_seconds, sync, table
 
 PAIRS = {"SmolLM2-135M (5 taps x 576)": 5 * 576, "Qwen3-8B-shaped (5 taps x 4096)": 5 * 4096}
 
 
-def _time(device, fn, repeats: int) -> float:
+def _time(device, fn, repeats: int, graphs: bool = False) -> float:
+    """Seconds per call: `repeats` calls launched from Python, or (graphs, CUDA only) captured as one CUDA
+    graph, the kernels' time without the launches between them (a call on 8192 rows takes ~40 us, about
+    what a Triton launch from Python costs)."""
+    if graphs:
+        return graph_seconds(fn, calls=repeats, replays=3)
     fn()
     sync(device)
     if device.type == "cuda":
@@ -34,8 +39,8 @@ def _time(device, fn, repeats: int) -> float:
     return (time.perf_counter() - began) / repeats
 
 
-def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kernels: str, scaled: bool = False
-               ) -> dict:
+def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kernels: str, scaled: bool = False,
+               graphs: bool = False) -> dict:
     """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
     counting bytes read plus bytes written, like the copy bandwidth it is compared with. scaled: with a
     per-channel storage scale, as the engine's mirror runs the block formats (features.storage_scale)."""
@@ -45,10 +50,10 @@ def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kerne
     data = torch.randn(rows, width, device=device)
     positions = torch.arange(rows, device=device)
     stored = rows * fmt.row_bytes(width)
-    write_s = _time(device, lambda: ring.write(positions, data), repeats)
+    write_s = _time(device, lambda: ring.write(positions, data), repeats, graphs)
     moved = data.nbytes + stored
     # f32 rows decode to themselves (no kernel runs): no throughput to report
-    read_s = None if fmt.dtype == torch.float32 else _time(device, lambda: ring.decode(ring.data), repeats)
+    read_s = None if fmt.dtype == torch.float32 else _time(device, lambda: ring.decode(ring.data), repeats, graphs)
     return {"write_gb_s": moved / write_s / 1e9, "dequant_gb_s": moved / read_s / 1e9 if read_s else None,
             "row_bytes": fmt.row_bytes(width)}
 
@@ -62,7 +67,8 @@ def parse_shape(text: str) -> ring_kernels.Shape:
 
 
 def measure(device, bandwidth: float, fmt: str, args, kernels: str, scaled: bool = False) -> dict:
-    r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels, scaled)
+    r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels, scaled,
+                   args.graphs)
     r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
     r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth if r["dequant_gb_s"] else None
     return r
@@ -71,6 +77,8 @@ def measure(device, bandwidth: float, fmt: str, args, kernels: str, scaled: bool
 def run(args) -> dict:
     shapes = [parse_shape(text) for text in args.triton_shapes.split(",")] if args.triton_shapes else []
     device = resolve_device(args.device)
+    if args.graphs and device.type != "cuda":
+        raise UserError(f"--graphs times CUDA graphs; the device is {device}")
     bandwidth = copy_bandwidth(device)
     results = {}
     for kernels in args.kernels.split(","):
@@ -88,14 +96,15 @@ def run(args) -> dict:
                     results[f"{fmt} triton {shape} scaled"] = measure(device, bandwidth, fmt, args, "triton",
                                                                       scaled=True)
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
-    table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features; copy "
+    timed = ", CUDA graphs" if args.graphs else ""
+    table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features{timed}; copy "
           f"{bandwidth:.0f} GB/s)", ["dtype, kernels", "write GB/s", "of copy", "dequant GB/s", "of copy"],
           [[f, r["write_gb_s"], r["write_fraction_of_copy"], r["dequant_gb_s"] or "-", r["dequant_fraction_of_copy"] or "-"]
            for f, r in results.items()])
     table("bytes per position (row + 8-byte position tag)", ["pair"] + list(FORMATS),
           [[pair] + list(v.values()) for pair, v in sizes.items()])
     record = {"bench": "rings", **environment(device), "copy_bandwidth_gb_s": bandwidth, "rows": args.rows,
-              "throughput": results, "bytes_per_position": sizes}
+              "graphs": args.graphs, "throughput": results, "bytes_per_position": sizes}
     return finish(record, args.out)
 
 
@@ -104,6 +113,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--graphs", action="store_true",
+                   help="time the calls as one CUDA graph: the kernels' own time, without Python's launches "
+                        "between them (which can be as long as a call on a few thousand rows)")
     p.add_argument("--kernels", default="torch",
                    help="comma list of ring kernels to time: torch (eager), compile (torch.compile), triton "
                         "(hand-written, one pass each way)")

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from deepflash.bench.common import graph_seconds
+
 SHAPES = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}
 TOKENS = (1, 8, 16)
 DEPTHS = (256, 1024, 5849, 8000)
@@ -26,27 +28,6 @@ def load(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def device_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Device time of one call: a CUDA graph of `calls` calls, replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm up outside the capture
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * begin.elapsed_time(end) / (calls * replays)
 
 
 def sdpa(q, k, v, positions):
@@ -70,7 +51,7 @@ def measure(kernel, heads: int, kv_heads: int, dim: int, tokens: int, depth: int
     alone = [kernel.decode_attention(q[:, :, i : i + 1].contiguous(), k, v, positions[i : i + 1], bucket)
              for i in range(tokens)]
     exact = all(torch.equal(out[:, :, i : i + 1], a) for i, a in enumerate(alone))
-    us = device_us(lambda: kernel.decode_attention(q, k, v, positions, bucket))
+    us = 1e6 * graph_seconds(lambda: kernel.decode_attention(q, k, v, positions, bucket))
     return {"us": round(us, 2), "max_error": error, "verify_equals_decode": exact}
 
 

@@ -13,10 +13,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from attention_bench import device_us
 from gemv_bench import L2_BYTES, MODELS, cycled
 
-from deepflash.bench.common import copy_bandwidth, finish
+from deepflash.bench.common import copy_bandwidth, finish, graph_seconds
 
 DEVICE = "cuda"
 
@@ -64,7 +63,7 @@ def main():
             x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
             row = {"case": name, "rows": rows, "weight_mb": nbytes / 2**20, "us": {}, "of_copy": {}}
             for variant, (call, kn) in variants(x).items():
-                us = device_us(cycled(call, transposed if kn else weights), calls=1) / copies
+                us = 1e6 * graph_seconds(cycled(call, transposed if kn else weights), calls=1) / copies
                 row["us"][variant], row["of_copy"][variant] = us, nbytes / (us * 1e-6) / 1e9 / bandwidth
             results.append(row)
             print(f"{name:8s} rows {rows:2d}: " + ", ".join(f"{v} {row['us'][v]:6.1f} us ({row['of_copy'][v]:.2f})"

@@ -16,9 +16,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from attention_bench import device_us
 
-from deepflash.bench.common import copy_bandwidth, finish
+from deepflash.bench.common import copy_bandwidth, finish, graph_seconds
 from deepflash.models import gemv_kernel
 from deepflash.models.layer_kernels import add_rms_norm, silu_mul
 
@@ -88,13 +87,13 @@ def main():
             copies = max(2, -(-2 * L2_BYTES // nbytes))
             weights = [torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             row = {"case": name, "rows": rows, "weight_mb": nbytes / 2**20,
-                   "separate_us": device_us(cycled(separate, weights), calls=1) / copies,
-                   "gemm_only_us": device_us(cycled(gemm, weights), calls=1) / copies, "fused_us": {}}
+                   "separate_us": 1e6 * graph_seconds(cycled(separate, weights), calls=1) / copies,
+                   "gemm_only_us": 1e6 * graph_seconds(cycled(gemm, weights), calls=1) / copies, "fused_us": {}}
             errors, want = {}, separate(weights[0]).float()
             for config, waves in variants:
                 gemv_kernel.CONFIGS, gemv_kernel.WAVES = ((None, config),), waves
                 variant = f"{'x'.join(map(str, config))} waves {waves}"
-                row["fused_us"][variant] = device_us(cycled(fused, weights), calls=1) / copies
+                row["fused_us"][variant] = 1e6 * graph_seconds(cycled(fused, weights), calls=1) / copies
                 got = fused_output(fused, weights[0]).float()
                 errors[variant] = ((got - want).abs().max() / want.abs().max()).item()
             gemv_kernel.CONFIGS, gemv_kernel.WAVES = kept

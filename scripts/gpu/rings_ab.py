@@ -3,7 +3,7 @@
 twice, in one process. Per block format, scaled as the engine's mirror runs it (bench rings' measure):
 write and dequantize GB/s and their fraction of the copy bandwidth. Prints and writes one JSON.
 Usage: python3 scripts/gpu/rings_ab.py --other .stage/ring_kernels_main.py [--rows 8192] [--repeats 50]
-[--out F]"""
+[--graphs] [--out F]"""
 
 import argparse
 import importlib.util
@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--other", required=True, help="another version of deepflash/ring_kernels.py")
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--graphs", action="store_true", help="time CUDA graphs of the calls (bench rings --graphs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -46,7 +47,8 @@ def main():
                 {"write": round(r["write_fraction_of_copy"], 3), "dequantize": round(r["dequant_fraction_of_copy"], 3)})
             print(arm, fmt, json.dumps(rows[arm][fmt][-1]), flush=True)
     deepflash.ring_kernels = ring_kernels
-    finish({"bench": "rings_ab", "copy_bandwidth_gb_s": bandwidth, "rows": args.rows, "fraction_of_copy": rows},
+    finish({"bench": "rings_ab", "copy_bandwidth_gb_s": bandwidth, "rows": args.rows, "graphs": args.graphs,
+            "fraction_of_copy": rows},
            args.out)
 
 
