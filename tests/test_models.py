@@ -1,5 +1,8 @@
 """Our target models against transformers on tiny random configs (float32, max abs diff <= 1e-4)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -238,3 +241,13 @@ def test_rms_norm_of_bf16_activations_with_float32_gains_takes_the_fused_op():
     want = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm.weight
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_checkpoint_tensors_that_fusion_replaces_are_freed_while_building():
+    hf, _ = hf_pair("qwen3")
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    q = weakref.ref(state["model.layers.0.self_attn.q_proj.weight"])
+    model = build_from_state(ModelConfig.from_hf(hf.config.to_dict()), state, "cpu", torch.float32)
+    gc.collect()
+    assert not state and q() is None  # the fused q/k/v holds the values now, once
+    assert model.model.layers[0].self_attn.qkv[0].shape[0] == 128

@@ -34,13 +34,18 @@ def model_class(cfg: ModelConfig) -> type[TargetModel]:
 
 
 def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> TargetModel:
-    """Materialise a model straight from tensors (no random init, no second copy of the weights)."""
+    """Materialise a model straight from tensors (no random init, no second copy of the weights). The
+    dict is emptied: then the model holds the only references, and the tensors that fusion
+    (fuse_projections) replaces are freed as it goes rather than all at the end (on Qwen3-8B the fused
+    q/k/v and gate/up are 65% of the weights)."""
     cls = model_class(cfg)
-    state = cls.prepare_state_dict(fuse_experts(state), cfg)
+    named = cls.prepare_state_dict(fuse_experts(state), cfg)
+    state.clear()
     with torch.device("meta"):
         model = cls(cfg).to(dtype)
-    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    named = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in named.items()}
+    missing, unexpected = model.load_state_dict(named, strict=False, assign=True)
+    named.clear()
     if missing or unexpected:
         raise UserError(
             f"checkpoint does not match the {cfg.model_type} architecture: "
