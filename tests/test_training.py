@@ -339,6 +339,16 @@ def test_init_from_an_exported_drafter_starts_where_it_ended(dataset, tmp_path):
     grown.run()
     assert grown.drafter.layers[2].mlp.down_proj.weight.abs().sum() > 0  # and then learns
     assert grown.progress.history[0]["step"] == 0  # a continued run's first evaluation is its starting point
+    width = second.cfg.intermediate_size
+    wider = Trainer(TrainConfig(out=str(tmp_path / "w"), layers=1, steps=3, init_from=str(exported),
+                                intermediate_size=width + 32, **common), target, tok, torch.device("cpu"))
+    assert wider.cfg.intermediate_size == width + 32 and wider.cfg.num_layers == 2
+    assert abs(wider.evaluate()["eval_loss"] - ended) < 0.01 * ended  # the new units start adding nothing
+    wider.run()
+    assert wider.drafter.layers[0].mlp.down_proj.weight[:, width:].abs().sum() > 0  # and then learn
+    with pytest.raises(UserError, match="can only widen"):
+        Trainer(TrainConfig(out=str(tmp_path / "n"), layers=1, steps=1, init_from=str(exported),
+                            intermediate_size=width - 1, **common), target, tok, torch.device("cpu"))
     # a continued drafter keeps its storage unless --storage says otherwise
     save_drafter(load_drafter(exported), tmp_path / "int8", storage="int8")
     for init, storage, want in [(exported, None, "bf16"), (tmp_path / "int8", None, "int8"),

@@ -46,7 +46,10 @@ def register(sub) -> None:
     train.add_argument("--block-size", type=int, default=16)
     train.add_argument("--layer-types", help="comma list of full|sliding per layer (default: all full)")
     train.add_argument("--sliding-window", type=int, default=2048)
-    train.add_argument("--intermediate-size", type=int)
+    train.add_argument("--intermediate-size", type=int,
+                       help="the MLPs' width (default: the target's); with --init-from, a larger one widens the "
+                            "drafter's MLPs, the new units starting with zeroed down projections (they add "
+                            "nothing until trained)")
     train.add_argument("--mask-token-id", type=int)
     train.add_argument("--anchors", type=int, default=256, help="anchor blocks per sequence")
     train.add_argument("--lr", type=float, default=6e-4)

@@ -62,7 +62,7 @@ class TrainConfig:
     block_size: int = 16
     layer_types: tuple[str, ...] = ()  # empty: all full_attention
     sliding_window: int = 2048
-    intermediate_size: int | None = None  # default: the target's
+    intermediate_size: int | None = None  # default: the target's; with init_from, wider than its MLPs widens them
     mask_token_id: int | None = None  # default: picked from the tokenizer's special tokens
     anchors: int = 256
     lr: float = 6e-4
@@ -110,6 +110,8 @@ class TrainConfig:
             raise UserError("--grow-layers adds layers to the drafter of --init-from; give one")
         if self.grow_layers < 0:
             raise UserError(f"--grow-layers must be >= 0, got {self.grow_layers}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise UserError(f"--intermediate-size must be positive, got {self.intermediate_size}")
         if self.eval_every < 1 or self.ckpt_every < 1:
             raise UserError(f"--eval-every and --ckpt-every must be >= 1, got {self.eval_every} and {self.ckpt_every}")
         if self.attention_chunk < 0:
@@ -341,10 +343,16 @@ class Trainer:
             pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
         self.cfg = drafter_config_for(target.cfg, tc, mask, trained_ctx)
         start = load_drafter(tc.init_from) if tc.init_from else None
-        if start is not None:  # its architecture (plus grown layers), mask token and taps; this data's context
+        if start is not None:  # its architecture (plus grown layers, wider MLPs), mask token and taps; this data's
+            # context
+            width = tc.intermediate_size or start.cfg.intermediate_size
+            if width < start.cfg.intermediate_size:
+                raise UserError(f"--intermediate-size {width} would narrow the MLPs of --init-from's drafter "
+                                f"({start.cfg.intermediate_size}); it can only widen them")
             self.cfg = dataclasses.replace(start.cfg, trained_context_length=trained_ctx,
                                            num_layers=start.cfg.num_layers + tc.grow_layers,
-                                           layer_types=start.cfg.layer_types + ("full_attention",) * tc.grow_layers)
+                                           layer_types=start.cfg.layer_types + ("full_attention",) * tc.grow_layers,
+                                           intermediate_size=width)
             validate_pair(self.cfg, target.cfg)
         # a drafter continued session after session keeps its storage (int8 rows keep a deeper one in
         # the 25 MB the repository ships)
@@ -432,15 +440,21 @@ class Trainer:
         """Weights of an exported drafter, whose fc reads raw features: undo the fold for this run's scale
         (fc.weight / scale), so that the drafter computes the same function as the exported one. Grown
         layers keep their random weights but zeroed output projections: each starts as the identity on
-        the residual stream, so the grown drafter also starts where the exported one ended."""
+        the residual stream, so the grown drafter also starts where the exported one ended. Widened MLPs
+        take the exported units first; the new ones keep random gate/up rows and zeroed down columns, so
+        they add nothing until trained."""
         state = fold_feature_scale(exported, self.feature_scale.reciprocal()).state_dict()
-        missing, unexpected = self.drafter.load_state_dict(state, strict=False)
-        grown = tuple(f"layers.{i}." for i in range(exported.cfg.num_layers, self.cfg.num_layers))
-        assert not unexpected and set(missing) == {k for k in self.drafter.state_dict() if k.startswith(grown)}
+        own = self.drafter.state_dict()
         with torch.no_grad():
-            for layer in self.drafter.layers[exported.cfg.num_layers:]:
+            for name, value in state.items():
+                own[name][tuple(slice(0, n) for n in value.shape)].copy_(value)  # an MLP's first units if wider
+            for layer in self.drafter.layers[: exported.cfg.num_layers]:
+                layer.mlp.down_proj.weight[:, exported.cfg.intermediate_size :].zero_()
+            for layer in self.drafter.layers[exported.cfg.num_layers :]:
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
+        grown = tuple(f"layers.{i}." for i in range(exported.cfg.num_layers, self.cfg.num_layers))
+        assert set(state) == {k for k in own if not k.startswith(grown)}, sorted(set(state) ^ set(own))
 
     def _padded(self, length: int) -> int:
         """A sequence length rounded up to --pad-to (within the target's context): every new length is a
