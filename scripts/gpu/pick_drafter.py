@@ -1,9 +1,9 @@
 """Pick the drafter to ship: HumanEval acceptance (--prompts prompts, greedy, 128 tokens) of each candidate against its
-cost, its layer count (the draft step's work) and then its bytes; the cheaper one wins unless the costlier
-accepts at least 5% more (of equal costs, the one that accepts more). Layers come first since int8 rows
-(--storage int8) made a 5-layer drafter smaller than a bf16 3-layer one: by bytes alone a deeper drafter
-accepting up to 5% less would have shipped, with a longer draft step. Drafters over 25 MB, the most the
-repository ships, are not candidates. Copies the pick into --into."""
+cost, its layer count and then its parameter count (the draft step's work); the cheaper one wins unless the
+costlier accepts at least 5% more (of equal costs, the one that accepts more). Not its bytes: int8 rows
+(--storage int8) store a 5-layer drafter, or one with wider MLPs, in fewer bytes than a bf16 3-layer one,
+and by bytes a drafter with more work per draft accepting up to 5% less would have shipped. Drafters over
+25 MB, the most the repository ships, are not candidates. Copies the pick into --into."""
 
 import argparse
 import json
@@ -46,10 +46,11 @@ def main():
         r, _ = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128),
                        warm_up=False)
         rows.append({"drafter": path, "layers": drafter.cfg.num_layers, "bytes": size,
+                     "parameters": sum(p.numel() for p in drafter.parameters()),
                      "acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"]})
     # cheapest first, and of equal costs the better one first
     ok = sorted((r for r in rows if "error" not in r),
-                key=lambda r: (r["layers"], r["bytes"], -r["acceptance_length"]))
+                key=lambda r: (r["layers"], r["parameters"], -r["acceptance_length"]))
     best = ok[0]
     for r in ok[1:]:
         if r["acceptance_length"] >= 1.05 * best["acceptance_length"]:
