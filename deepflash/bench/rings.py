@@ -7,7 +7,7 @@ import torch
 
 from .. import ring_kernels
 from ..errors import UserError
-from ..features import FeatureRing
+from ..features import FeatureRing, pick_ring_kernels
 from ..quant import FORMATS
 from ..runtime import resolve_device
 from .common import copy_bandwidth, environment, finish, graph_seconds, sync, table
@@ -81,7 +81,7 @@ def run(args) -> dict:
         raise UserError(f"--graphs times CUDA graphs; the device is {device}")
     bandwidth = copy_bandwidth(device)
     results = {}
-    for kernels in args.kernels.split(","):
+    for kernels in (pick_ring_kernels(kind, device) for kind in args.kernels.split(",")):
         # torch.compile only changes the block formats (features.store_and_decode)
         names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
         for fmt in names:
@@ -116,9 +116,9 @@ def register(sub) -> None:
     p.add_argument("--graphs", action="store_true",
                    help="time the calls as one CUDA graph: the kernels' own time, without Python's launches "
                         "between them (which can be as long as a call on a few thousand rows)")
-    p.add_argument("--kernels", default="torch",
-                   help="comma list of ring kernels to time: torch (eager), compile (torch.compile), triton "
-                        "(hand-written, one pass each way)")
+    p.add_argument("--kernels", default="auto",
+                   help="comma list of ring kernels to time: auto (what the engine runs: triton on CUDA, else "
+                        "torch), torch (eager), compile (torch.compile), triton (hand-written, one pass each way)")
     p.add_argument("--triton-shapes",
                    help="comma list of GROUPSxWARPS[xITEMSxSTAGES] (e.g. 16x1,32x4,16x1x8x3) to time the Triton "
                         "kernels with, every format, besides their defaults (ring_kernels.SHAPES): blocks per work "
