@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
-# Last run: results (JSON, PNG, logs) as one archive, the drafter's weights and the generated data split
-# under the 16 MiB limit.
+# What a chain made, into $OUT, in pieces under the 16 MiB limit. A run brings back at most 8 files and
+# 64 MiB (the twenty-third session's last wait.sh made 12 and lost the drafter and results to the limit),
+# so each part comes in a run of its own:
+#   collect.sh            results (JSON, PNG, logs, the drafters' config.json and training.json) as one
+#                         archive and the picked drafter's weights: 3 files, ~25 MB (wait.sh runs this)
+#   collect.sh candidate  the run's own drafter where pick kept another (a later session can continue
+#                         it: carried as .stage/candidate, INIT_FROM=/root/stage/candidate; without it
+#                         the sixteenth session lost its 5-layer one)
+#   collect.sh data [N]   the generated token shards, for the next session to carry (.stage/data.tgz.part*;
+#                         never committed): parts N.. (default 0), four at most (60 MB) per run
 set -uo pipefail
 cd /root/deepflash
-cp /root/run/train.jsonl /root/results/train.jsonl 2>/dev/null
-cp /root/run-b/train.jsonl /root/results/train-b.jsonl 2>/dev/null
-cp /root/data/summary.json /root/results/data-summary.json 2>/dev/null
-tar czf "$OUT/results.tgz" -C /root results
 D=deepflash/drafters/smollm2-135m
-if [ -f $D/model.safetensors ]; then
-  cp $D/config.json $D/training.json "$OUT/" 2>/dev/null
-  split -b 15000000 -d $D/model.safetensors "$OUT/drafter.part"
-fi
-# the run's own drafter where pick kept another: a later session can continue it (carried as
-# .stage/candidate, INIT_FROM=/root/stage/candidate); without this the sixteenth session lost its 5-layer one
 C=/root/run/drafter
-if [ -f $C/model.safetensors ] && ! cmp -s $C/model.safetensors $D/model.safetensors; then
-  cp $C/config.json "$OUT/candidate-config.json"
-  cp $C/training.json "$OUT/candidate-training.json" 2>/dev/null
-  split -b 15000000 -d $C/model.safetensors "$OUT/candidate.part"
-fi
-# the generated token shards, for the next session's run 1 to carry (.stage/data.tgz; never committed)
-[ -f /root/data.tgz ] && split -b 15000000 -d /root/data.tgz "$OUT/data.tgz.part"
+case "${1:-results}" in
+  results)
+    cp /root/run/train.jsonl /root/results/train.jsonl 2>/dev/null
+    cp /root/run-b/train.jsonl /root/results/train-b.jsonl 2>/dev/null
+    cp /root/data/summary.json /root/results/data-summary.json 2>/dev/null
+    for f in config.json training.json; do
+      cp $D/$f /root/results/drafter-$f 2>/dev/null
+      cp $C/$f /root/results/candidate-$f 2>/dev/null
+    done
+    tar czf "$OUT/results.tgz" -C /root results
+    [ -f $D/model.safetensors ] && split -b 15000000 -d $D/model.safetensors "$OUT/drafter.part" ;;
+  candidate)
+    if [ -f $C/model.safetensors ] && ! cmp -s $C/model.safetensors $D/model.safetensors; then
+      split -b 15000000 -d $C/model.safetensors "$OUT/candidate.part"
+    else
+      echo "no candidate: the run's drafter is the one picked, or there is none"
+    fi ;;
+  data)
+    rm -rf /root/data-parts && mkdir /root/data-parts
+    [ -f /root/data.tgz ] && split -b 15000000 -d /root/data.tgz /root/data-parts/data.tgz.part
+    ls /root/data-parts | sort | tail -n +$((${2:-0} + 1)) | head -n 4 | while read -r part; do
+      cp /root/data-parts/$part "$OUT/"
+    done ;;
+  *)
+    echo "collect.sh [results|candidate|data [N]]" >&2; exit 2 ;;
+esac
 ls -l "$OUT"
