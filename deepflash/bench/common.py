@@ -22,8 +22,8 @@ def sync(device: torch.device) -> None:
 
 def graph_seconds(fn, calls: int = 20, replays: int = 10) -> float:
     """Device seconds of one call of fn on CUDA: a graph of `calls` calls, replayed, so the time is the
-    kernels' own, without the host's launches between them (a Triton launch from Python costs tens of
-    microseconds, as long as some of the kernels it times)."""
+    kernels' own, without the host's launches between them (for kernels of tens of microseconds, the
+    launches from Python may take as long)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):  # compile and warm up outside the capture

@@ -17,8 +17,8 @@ PAIRS = {"SmolLM2-135M (5 taps x 576)": 5 * 576, "Qwen3-8B-shaped (5 taps x 4096
 
 def _time(device, fn, repeats: int, graphs: bool = False) -> float:
     """Seconds per call: `repeats` calls launched from Python, or (graphs, CUDA only) captured as one CUDA
-    graph, the kernels' time without the launches between them (a call on 8192 rows takes ~40 us, about
-    what a Triton launch from Python costs)."""
+    graph, the kernels' time without the launches between them (a call on 8192 rows takes ~40 us, so
+    eager timing may count Python's launches too)."""
     if graphs:
         return graph_seconds(fn, calls=repeats, replays=3)
     fn()
@@ -115,7 +115,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--graphs", action="store_true",
                    help="time the calls as one CUDA graph: the kernels' own time, without Python's launches "
-                        "between them (which can be as long as a call on a few thousand rows)")
+                        "between them (CUDA only)")
     p.add_argument("--kernels", default="auto",
                    help="comma list of ring kernels to time: auto (what the engine runs: triton on CUDA, else "
                         "torch), torch (eager), compile (torch.compile), triton (hand-written, one pass each way)")

@@ -343,8 +343,9 @@ class Trainer:
             pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
         self.cfg = drafter_config_for(target.cfg, tc, mask, trained_ctx)
         start = load_drafter(tc.init_from) if tc.init_from else None
-        if start is not None:  # its architecture (plus grown layers, wider MLPs), mask token and taps; this data's
-            # context
+        # a start drafter gives its architecture (plus grown layers, wider MLPs), mask token and taps; this
+        # data gives the context
+        if start is not None:
             width = tc.intermediate_size or start.cfg.intermediate_size
             if width < start.cfg.intermediate_size:
                 raise UserError(f"--intermediate-size {width} would narrow the MLPs of --init-from's drafter "
