@@ -5,7 +5,7 @@ that run-to-run drift shows; each arm runs its prompts once untimed first. Print
 
 import json
 
-from ab_setup import embedded_ab, engine, report
+from ab_setup import embedded_ab, engine, report, spec_row
 
 import deepflash.engine as engine_module
 from deepflash.bench.accept import measure
@@ -19,9 +19,7 @@ def main():
     for kernels in ("torch", "triton", "torch", "triton"):
         engine_module.drafter_kernels = lambda target_kernels, drafter, kernels=kernels: kernels
         r, outputs = measure(engine(args, target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128))
-        rows[kernels].append({"acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"],
-                              "draft_s": r["draft_s"], "verify_s": r["verify_s"],
-                              "same_output_as_plain": sum(a == b for a, b in zip(outputs, plain_outputs))})
+        rows[kernels].append(spec_row(r, outputs, plain_outputs))
         print(kernels, json.dumps(rows[kernels][-1]), flush=True)
     report(rows, args.out)
 

@@ -8,7 +8,7 @@ Prints and writes one JSON."""
 
 import json
 
-from ab_setup import embedded_ab, engine, report
+from ab_setup import embedded_ab, engine, report, spec_row
 
 from deepflash.bench.accept import measure
 from deepflash.drafter import load_drafter
@@ -24,9 +24,7 @@ def main():
     rows: dict = {"plain tok/s": plain["tok_per_s"], **{path: [] for path in drafters}}
     for path in [*drafters, *drafters]:
         r, outputs = measure(engine(args, target, tok, drafters[path], spec="on"), prompts, params)
-        rows[path].append({"acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"],
-                           "draft_s": r["draft_s"], "verify_s": r["verify_s"], "spec_steps": r["spec_steps"],
-                           "same_output_as_plain": sum(a == b for a, b in zip(outputs, plain_outputs))})
+        rows[path].append({**spec_row(r, outputs, plain_outputs), "spec_steps": r["spec_steps"]})
         print(path, json.dumps(rows[path][-1]), flush=True)
     report(rows, args.out)
 
