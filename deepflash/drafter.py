@@ -89,7 +89,7 @@ class DrafterAttention(nn.Module):
                        self.k_norm.weight, self.k_norm.weight, self.k_norm.eps)
 
     def _kv_weight(self) -> torch.Tensor:
-        return self.qkv[0][self.heads * self.head_dim :]  # rows of k, then v: a contiguous slice
+        return self.qkv[0][self.heads * self.head_dim :]  # rows of k, then v: one slice, no copy
 
     def _keys_values(self, k, v, cos, sin):
         b, n, _ = k.shape

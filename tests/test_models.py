@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from deepflash.config import ModelConfig, RopeConfig
-from deepflash.models import build_from_state, random_model
+from deepflash.engine import Engine
+from deepflash.models import build_from_state, gemv_kernel, layers, random_model
 from deepflash.models.layers import RMSNorm, rope_frequencies
-from helpers import check_left_padded_batch, llama_config
+from deepflash.sampling import SamplingParams
+from helpers import check_left_padded_batch, drafter_config, llama_config, tiny_drafter, tiny_tokenizer
 
 TOL = 1e-4
 
@@ -251,3 +253,44 @@ def test_checkpoint_tensors_that_fusion_replaces_are_freed_while_building():
     gc.collect()
     assert not state and q() is None  # the fused q/k/v holds the values now, once
     assert model.model.layers[0].self_attn.qkv[0].shape[0] == 128
+
+
+@pytest.fixture
+def transposed_weights(monkeypatch):
+    """layers.gemm_layout on the CPU too, for every weight over 1 KiB (on CUDA: over 8 MiB)."""
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_DEVICES", ("cpu",))
+    monkeypatch.setattr(gemv_kernel, "MAX_WEIGHT_BYTES", 1024)
+
+
+def column_major(weight: torch.Tensor) -> bool:
+    return weight.stride() == (1, weight.shape[0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_large_weights_stored_transposed_keep_the_logits(transposed_weights, kind):
+    hf, ours = hf_pair(kind)
+    attention, mlp = ours.model.layers[0].self_attn, ours.model.layers[0].mlp
+    assert column_major(attention.qkv[0]) and column_major(attention.o_proj.weight)
+    # the linears stay views into the fused weight: nothing is stored twice
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == attention.qkv[0].untyped_storage().data_ptr()
+    if kind != "qwen3_moe":  # its layer 0 routes to experts (fused 3-D tensors, left as they are)
+        assert column_major(mlp.gate_up[0]) and column_major(mlp.down_proj.weight)
+    embedding = ours.model.embed_tokens.weight
+    assert embedding.is_contiguous()  # the table keeps its rows, tied LM head (llama) or not
+    assert (ours.lm_head.weight is embedding) if kind == "llama" else column_major(ours.lm_head.weight)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = ours(ids, torch.arange(24), ours.new_cache(1, 64))
+        assert (logits - hf(ids).logits).abs().max() <= TOL
+    moved = ours.to(torch.float64).model.layers[0].self_attn  # .to() keeps strides and fuses again
+    assert column_major(moved.qkv[0]) and column_major(moved.o_proj.weight)
+
+
+def test_greedy_speculative_equals_plain_with_weights_stored_transposed(transposed_weights):
+    target = random_model(llama_config(tie_word_embeddings=False), dtype=torch.float64, std=0.2)
+    assert column_major(target.model.layers[0].self_attn.qkv[0]) and column_major(target.lm_head.weight)
+    drafter = tiny_drafter(drafter_config(target.cfg))
+    tokenizer, params = tiny_tokenizer(), SamplingParams(max_new_tokens=30)
+    ids = torch.randint(5, 90, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    spec = Engine(target, tokenizer, drafter, spec="on").complete(ids, params)
+    assert spec.token_ids == Engine(target, tokenizer).complete(ids, params).token_ids

@@ -60,8 +60,8 @@ NORM, ADD_NORM, SILU, PLAIN = 0, 1, 2, 3  # the prologue (PLAIN: none)
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows and the weight go through these kernels (else torch's GEMM after the separate
     kernels). Never decided by the number of rows within a tile: a verify step must project as a
-    decode step does."""
-    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES
+    decode step does. A weight stored transposed (layers.gemm_layout) takes torch's GEMM."""
+    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES and weight.is_contiguous()
             and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
 
 

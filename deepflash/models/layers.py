@@ -206,13 +206,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
+COLUMN_MAJOR_DEVICES = ("cuda",)  # where gemm_layout stores large weights transposed (tests add "cpu")
+
+
+def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight, stored as its transpose (strides (1, N): the same values and shape) where torch's
+    GEMM reads it: over gemv_kernel.MAX_WEIGHT_BYTES, on CUDA. cuBLAS then reads the weight
+    untransposed, which streamed Qwen3-8B's q/k/v, gate/up, down and LM head weights 3-8% faster for 1
+    and 16 rows (scripts/gpu/blas_layouts.py, BENCHMARKS.md, twenty-third session). Other weights, and
+    one already stored so, come back as they are."""
+    from . import gemv_kernel
+
+    if (weight.device.type not in COLUMN_MAJOR_DEVICES or weight.dim() != 2 or weight.stride(-1) != 1
+            or weight.numel() * weight.element_size() <= gemv_kernel.MAX_WEIGHT_BYTES):
+        return weight
+    return weight.t().contiguous().t()
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linears that read the same input, so that one GEMM replaces
     several: a decode step is bound by kernel launches and weight reads, and one larger GEMV does better
     on both. The linears' parameters become views into the fused tensors, so names, state_dict and
     weight accounting are unchanged and nothing is stored twice. Frozen (inference) models only:
-    gradients would reach the fused tensor, not the parameters."""
-    weight = torch.cat([m.weight.detach() for m in linears])
+    gradients would reach the fused tensor, not the parameters. The fused weight takes gemm_layout."""
+    weight = gemm_layout(torch.cat([m.weight.detach() for m in linears]))
     bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
     row = 0
     for m in linears:
@@ -231,9 +248,18 @@ class FusedProjections(nn.Module):
     fused = False  # set by fuse_projections
 
     def fuse_projections(self):
+        """Fuse, then give the linears' own large weights gemm_layout (the fused ones have it); an
+        embedding's table keeps its rows even where an LM head shares it (tied)."""
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
+        tables = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and id(module.weight) not in tables:
+                weight = module.weight.detach()
+                laid = gemm_layout(weight)
+                if laid is not weight:
+                    module.weight = nn.Parameter(laid, requires_grad=False)
         self.fused = True
         return self
 
