@@ -16,7 +16,7 @@ from deepflash.train.datagen import build_dataset, generate_batch
 from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
 from deepflash.errors import UserError
 from deepflash.train.prompts import SHORT_TASKS, Task, parse_task_weights, short_task
-from deepflash.train.shards import read_all
+from deepflash.train.shards import Sequence, read_all, split_held_out
 from deepflash.train.trainer import (TrainConfig, Trainer, acceptance_by_position, accepted_drafts, block_loss,
                                      fold_feature_scale, walked_acceptance)
 from helpers import tiny_target, tiny_tokenizer
@@ -239,6 +239,21 @@ def dataset(tmp_path_factory):
     summary = build_dataset(target, tok, tasks, out, max_new_tokens=40, max_len=160, sampled_fraction=0.5,
                             shard_size=3)
     return target, tok, out, summary
+
+
+def test_the_held_out_split_is_fixed_by_content_as_data_grows():
+    gen = torch.Generator().manual_seed(0)
+    seqs = [Sequence(torch.randint(0, 1000, (int(n),), generator=gen), torch.ones(int(n), dtype=torch.bool))
+            for n in torch.randint(5, 40, (600,), generator=gen)]
+    key = lambda s: tuple(s.tokens.tolist())
+    held, train = split_held_out(seqs[:300], 0.1)
+    held_more, train_more = split_held_out(seqs[300:] + seqs[:300], 0.1)  # more data, in another order
+    assert {key(s) for s in held} <= {key(s) for s in held_more}
+    assert not {key(s) for s in held_more} & {key(s) for s in train_more}
+    assert 0.05 < len(held_more) / len(seqs) < 0.15
+    copy = Sequence(held[0].tokens.clone(), held[0].loss_mask.clone())  # the same content is held out too
+    assert key(copy) in {key(s) for s in split_held_out(seqs + [copy], 0.1)[0]}
+    assert len(split_held_out(seqs[:2], 0.0)[0]) == 1 and split_held_out(seqs[:1], 0.5)[0] == []
 
 
 def test_dataset_shards_hold_prompt_and_response(dataset):

@@ -7,6 +7,7 @@ chat template made it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,25 @@ def read_all(folder: Path) -> tuple[list[Sequence], dict]:
         part, meta = read_shard(path)
         seqs.extend(part)
     return seqs, meta
+
+
+def content_key(seq: Sequence) -> float:
+    """A number in [0, 1) fixed by the sequence's tokens alone."""
+    digest = hashlib.blake2b(seq.tokens.to(torch.int32).numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def split_held_out(seqs: list[Sequence], fraction: float) -> tuple[list[Sequence], list[Sequence]]:
+    """(held out, train): a sequence is held out when its content key is below `fraction` (at least one
+    when there are two or more), so it stays held out however much data is added later. A seeded shuffle
+    of all sequences did not: each session's new data moved sequences an earlier run had trained on (its
+    drafter continued by --init-from) into the next run's evaluation. Both lists come ordered by key."""
+    keys = [content_key(s) for s in seqs]
+    order = sorted(range(len(seqs)), key=keys.__getitem__)
+    n = sum(k < fraction for k in keys)
+    n = max(1, n) if len(seqs) > 1 else 0
+    held = [seqs[i] for i in order[:n]]
+    return held, [seqs[i] for i in order[n:]] or held
 
 
 def iter_batches(seqs: list[Sequence], batch_tokens: int, generator: torch.Generator) -> Iterator[list[Sequence]]:

@@ -49,7 +49,7 @@ from ..progress import bar, stderr
 from .chunks import chunked_mask
 from .masks import default_gamma, loss_weights, query_layout, training_mask_mod
 from .parallel import Group
-from .shards import Sequence, iter_batches, read_all
+from .shards import Sequence, iter_batches, read_all, split_held_out
 
 
 @dataclass
@@ -81,7 +81,7 @@ class TrainConfig:
     # response position, up to twice as many, so both run half as often as before
     eval_every: int = 400
     ckpt_every: int = 400
-    eval_fraction: float = 0.02
+    eval_fraction: float = 0.02  # held out by content (shards.split_held_out), the same in every run
     attention: str = "auto"  # auto | flex | sdpa
     device: str = "auto"
     resume: bool = False
@@ -333,11 +333,7 @@ class Trainer:
         self.tc, self.target, self.device = tc.validated(), target, device
         self.group = group or Group()  # data-parallel workers (parallel.py); alone by default
         seqs, self.data_meta = read_all(Path(tc.data))
-        gen = torch.Generator().manual_seed(tc.seed)
-        order = torch.randperm(len(seqs), generator=gen).tolist()
-        n_eval = max(1, int(len(seqs) * tc.eval_fraction)) if len(seqs) > 1 else 0
-        self.eval_seqs = [seqs[i] for i in order[:n_eval]]
-        self.train_seqs = [seqs[i] for i in order[n_eval:]] or self.eval_seqs
+        self.eval_seqs, self.train_seqs = split_held_out(seqs, tc.eval_fraction)
         trained_ctx = int(self.data_meta.get("max_len") or max(len(s) for s in seqs))
         mask = tc.mask_token_id if tc.mask_token_id is not None else \
             pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
