@@ -245,7 +245,9 @@ def test_the_held_out_split_is_fixed_by_content_as_data_grows():
     gen = torch.Generator().manual_seed(0)
     seqs = [Sequence(torch.randint(0, 1000, (int(n),), generator=gen), torch.ones(int(n), dtype=torch.bool))
             for n in torch.randint(5, 40, (600,), generator=gen)]
-    key = lambda s: tuple(s.tokens.tolist())
+    def key(seq):
+        return tuple(seq.tokens.tolist())
+
     held, train = split_held_out(seqs[:300], 0.1)
     held_more, train_more = split_held_out(seqs[300:] + seqs[:300], 0.1)  # more data, in another order
     assert {key(s) for s in held} <= {key(s) for s in held_more}
