@@ -265,6 +265,10 @@ def test_dataset_shards_hold_prompt_and_response(dataset):
     for s in seqs:
         first = int(torch.nonzero(s.loss_mask)[0])
         assert s.loss_mask[first:].all() and not s.loss_mask[:first].any()
+    # the cost accounting: every batch's phases, within the whole run's time
+    seconds = summary["seconds"]
+    assert set(seconds) == {"prefill", "first step", "decode", "all"} and summary["batches"] >= 2
+    assert 0 <= seconds["prefill"] + seconds["first step"] + seconds["decode"] <= seconds["all"] + 0.01
 
 
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):

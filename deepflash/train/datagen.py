@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from ..graphs import StepGraphs
 from ..progress import bar
 from ..sampling import SamplingParams, choose
+from ..stats import PhaseTimer
 from .prompts import Task
 from .shards import Sequence, write_shard
 
@@ -24,14 +26,16 @@ from .shards import Sequence, write_shard
 @torch.no_grad()
 def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: frozenset[int],
                    params: SamplingParams, seeds: list[int], prefill_chunk: int = 512,
-                   cuda_graphs: bool = True) -> list[list[int]]:
+                   cuda_graphs: bool = True, timer: PhaseTimer | None = None) -> list[list[int]]:
     """Greedy or sampled continuations of left-padded prompts; each ends at its first stop token
-    (included) or after max_new tokens.
+    (included) or after max_new tokens. `timer` adds the batch's prefill, first step (the graph's
+    capture) and decode times to its phases.
 
     The decode step attends over the batch's whole cache span (rows not written yet are masked), so it
     has one shape for the whole batch and runs as one CUDA graph: eager launches made data generation
     host-bound (8 minutes for 2,500 prompts on an H200, 2026-11-30)."""
     device = target.device
+    timer = timer or PhaseTimer(device)
     b, longest = len(prompts), max(len(p) for p in prompts)
     total = longest + max_new
     tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
@@ -40,6 +44,7 @@ def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: fro
         tokens[i, longest - len(p) :] = torch.tensor(p, device=device)
         key_mask[i, longest - len(p) :] = True
     cache = target.new_cache(b, total)
+    timer.start("prefill")
     for lo in range(0, longest, prefill_chunk):
         hi = min(longest, lo + prefill_chunk)
         logits, _ = target(tokens[:, lo:hi], torch.arange(lo, hi, device=device), cache, hi, key_mask=key_mask,
@@ -47,6 +52,7 @@ def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: fro
     seed = torch.tensor(seeds, device=device)
     pos = torch.full((1,), longest, device=device)  # position of the newest chosen token
     token = choose(logits[:, -1], pos.expand(b), params, seed)
+    timer.stop()
 
     def step() -> None:  # feed the newest token at `pos`, choose the one after it
         step_logits, _ = target(token[:, None], pos, cache, total, key_mask=key_mask)
@@ -57,12 +63,17 @@ def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: fro
     out = torch.zeros(b, max_new, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     stops = torch.tensor(sorted(stop_ids), device=device)
+    timer.start("first step")
     for i in range(max_new):
         out[:, i] = token
         done |= torch.isin(token, stops)
         if i == max_new - 1 or (i % 16 == 15 and bool(done.all())):  # a host check now and then
             break
         graphs.run("decode", step)
+        if i == 0:
+            timer.stop()
+            timer.start("decode")
+    timer.stop()
     return [_until_stop(row, stop_ids) for row in out.tolist()]
 
 
@@ -90,13 +101,16 @@ def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_to
             "max_len": max_len, "max_new_tokens": max_new_tokens}
     sequences: list[Sequence] = []
     shards = generated = 0
+    # where the time goes: the phases' device-stream seconds, and the rest (host work, shard writes)
+    timer, started = PhaseTimer(target.device), time.perf_counter()
     with bar() as display:
         task_id = display.add_task("generating responses", total=len(items))
         for batch in batches:
             sampled = batch[0][1]
             params = SamplingParams(temperature=temperature if sampled else 0.0, seed=0).validated()
             room = min(max_new_tokens, max_len - max(len(i[0]) for i in batch))
-            replies = generate_batch(target, [i[0] for i in batch], room, stop_ids, params, [i[2] for i in batch])
+            replies = generate_batch(target, [i[0] for i in batch], room, stop_ids, params, [i[2] for i in batch],
+                                     timer=timer)
             for (ids, _, _), reply in zip(batch, replies):
                 tokens = torch.tensor(ids + reply)
                 mask = torch.zeros(len(tokens), dtype=torch.bool)
@@ -110,7 +124,9 @@ def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_to
     if sequences:
         write_shard(out / f"shard-{shards:04d}.safetensors", sequences, meta)
         shards += 1
-    summary = {"sequences": len(items), "generated_tokens": generated, "shards": shards}
+    seconds = {name: round(s, 3) for name, s in timer.collect().items()}
+    summary = {"sequences": len(items), "generated_tokens": generated, "shards": shards, "batches": len(batches),
+               "seconds": seconds | {"all": round(time.perf_counter() - started, 3)}}
     (out / "summary.json").write_text(json.dumps(summary | meta, indent=2))
     return summary
 
