@@ -156,6 +156,77 @@ def test_task_weights_choose_the_kinds_of_short_tasks():
     assert len({short_task(rng, Path("m.py"), text).kind for _ in range(200)}) > 3  # uniform without weights
 
 
+NESTED = """
+import os
+class A:
+    def m(self):
+        x = 1
+        y = 2
+        z = 3
+        return x
+    class B:
+        async def n(self):
+            x = 1
+            y = 2
+            z = 3
+            return x
+if os.name:
+    def f():
+        def inner():
+            a = 1
+            b = 2
+            c = 3
+            return a
+        c = 3
+        return inner
+try:
+    pass
+except OSError:
+    def g():
+        a = 1
+        b = 2
+        c = 3
+        return a
+else:
+    with open(os.devnull) as fh:
+        for _ in ():
+            pass
+        else:
+            def h():
+                a = 1
+                b = 2
+                c = 3
+                return a
+finally:
+    while False:
+        pass
+    else:
+        match os.name:
+            case "nt":
+                @staticmethod
+                def k():
+                    a = (lambda: 1)()
+                    b = 2
+                    c = 3
+                    return a
+"""
+
+
+def test_functions_finds_every_definition_at_any_depth():
+    """The statement-list walk finds what ast.walk finds: definitions in classes, functions, if, except,
+    else, finally, with, for-else, while-else and match bodies (not lambdas), in file order."""
+    import ast
+
+    from deepflash.train.prompts import functions
+
+    names = [name for name, _, _ in functions(NESTED)]
+    walked = sorted((n.lineno, n.name) for n in ast.walk(ast.parse(NESTED))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and 4 <= n.end_lineno - n.lineno <= 80)
+    assert names == [name for _, name in walked] == ["m", "n", "f", "inner", "g", "h", "k"]
+    assert functions(NESTED)[-1][1].startswith("@staticmethod\ndef k():")  # decorators included, dedented
+    assert functions("def broken(:\n") == ()
+
+
 DOCTEST = 'def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n    return y\n'
 
 

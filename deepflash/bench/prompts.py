@@ -42,12 +42,9 @@ def depth_prompts(tokenizer, depth: int, count: int, seed: int = 0) -> list[list
 def _fit(tokenizer, text: str, kind: str, depth: int) -> list[int] | None:
     """Cut the module so that the prompt is just under `depth` tokens (a few tokenizations, scaling the
     cut by the measured characters per token)."""
-    from ..train.prompts import functions
-
-    fns = functions(text)
     chars, best = depth * 3, None
     for _ in range(6):
-        task = long_task(random.Random(0), "", text, chars, kind=kind, fns=fns)
+        task = long_task(random.Random(0), "", text, chars, kind=kind)
         if task is None:
             return None
         ids = tokenizer.chat(task.messages)
