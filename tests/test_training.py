@@ -3,6 +3,7 @@ steps lower the loss, and the exported drafter loads and keeps the greedy contra
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,22 @@ def test_write_fraction_adds_requests_from_signatures_and_summaries(tmp_path, mo
     sources = [t.source for t in writes]  # two from the first file with a method, one from the next
     assert sources[0] == sources[1] != sources[2]
     assert [t.messages for t in mixed if t.kind not in ("write", "complete_doctest")] == [t.messages for t in before[:6]]
+
+
+def test_function_offset_gives_new_doctest_and_write_requests_from_the_same_files(tmp_path, monkeypatch):
+    """Offset k skips each file's first k x PER_FILE qualifying functions, so another offset asks about other
+    functions (another seed would read the files in another order and ask about the same ones); the drawn
+    tasks stay those of the seed."""
+    doctests = "\n\n".join(DOCTEST.replace("double", f"double{j}") for j in range(5))
+    prompts = site_packages(tmp_path, monkeypatch, lambda i: doctests)
+    asked = {}
+    for offset in (0, 1, 2):
+        tasks = prompts.training_tasks(8, long_fraction=0.0, seed=3, doctest_fraction=0.5, function_offset=offset)
+        asked[offset] = [t.messages for t in tasks if t.kind == "complete_doctest"]
+        assert len(asked[offset]) == 4 and tasks[:4] == prompts.training_tasks(8, long_fraction=0.0, seed=3,
+                                                                             doctest_fraction=0.5)[:4]
+    names = {k: {re.search(r"def (double\d)", m[0]["content"])[1] for m in v} for k, v in asked.items()}
+    assert names == {0: {"double0", "double1"}, 1: {"double2", "double3"}, 2: {"double4"}}
 
 
 @pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),

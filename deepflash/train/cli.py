@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..drafter import STORAGES
 from ..errors import UserError
-from .prompts import SHORT_TASKS
+from .prompts import PER_FILE, SHORT_TASKS
 
 
 def register(sub) -> None:
@@ -34,6 +34,9 @@ def register(sub) -> None:
     gen.add_argument("--write-fraction", type=float, default=0.0,
                      help="share of requests to write a library function from its signature and docstring summary "
                           "(answered as HumanEval is: code, then prose)")
+    gen.add_argument("--function-offset", type=int, default=0, metavar="K",
+                     help=f"the doctest and write requests skip each file's first K x {PER_FILE} qualifying functions: "
+                          "another seed mostly repeats them, another offset gives new ones")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
@@ -133,12 +136,15 @@ def cmd_generate(args) -> None:
     for flag, share in (("--doctest-fraction", args.doctest_fraction), ("--write-fraction", args.write_fraction)):
         if not 0 <= share <= 1:
             raise UserError(f"{flag} must be between 0 and 1, got {share}")
+    if args.function_offset < 0:
+        raise UserError(f"--function-offset must be 0 or more, got {args.function_offset}")
     if args.doctest_fraction + args.write_fraction > 1:
         raise UserError(f"--doctest-fraction and --write-fraction add up to more than 1 "
                         f"({args.doctest_fraction} + {args.write_fraction})")
     target, tokenizer, _ = _load(args)
     tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights,
-                           doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction)
+                           doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
+                           function_offset=args.function_offset)
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)

@@ -216,12 +216,14 @@ def parse_task_weights(spec: str | None) -> dict[str, float] | None:
 
 def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000,
                    weights: dict[str, float] | None = None, doctest_fraction: float = 0.0,
-                   write_fraction: float = 0.0) -> list[Task]:
+                   write_fraction: float = 0.0, function_offset: int = 0) -> list[Task]:
     """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
     `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
     for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
     requests (write_tasks); the others are drawn as without those shares (the same prompts for the
-    same seed)."""
+    same seed). Those two shares take each file's first qualifying functions, so another seed mostly
+    repeats them (reading files in another order); `function_offset` k skips the first k x PER_FILE
+    of each file's, for new ones."""
     rng = random.Random(seed)
     files = site_package_files()
     if not files:
@@ -237,7 +239,7 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
         text = path.read_text(errors="replace")
         for make, wanted in shares.items():
             if len(extra[make]) < wanted:
-                extra[make] += make(path, text)[: wanted - len(extra[make])]
+                extra[make] += make(path, text, function_offset * PER_FILE)[: wanted - len(extra[make])]
         if len(tasks) >= drawn:
             continue
         if rng.random() < long_fraction and len(text) > 4_000:
@@ -252,14 +254,14 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
 PER_FILE = 2  # spread the doctest and write tasks over many packages
 
 
-def doctest_tasks(path: Path, text: str) -> list[Task]:
+def doctest_tasks(path: Path, text: str, skip: int = 0) -> list[Task]:
     """"complete" requests (HumanEval's wording) for the first functions of `text` whose docstrings
     carry doctest examples (">>>"), as HumanEval's prompts do. The shipped drafter walked 2.45 on the
     target's answers to such requests and 2.79 on ones without examples (HumanEval: 2.46; BENCHMARKS.md),
     and they are about 1% of the draws otherwise."""
     if ">>>" not in text:  # spares parsing most files
         return []
-    return _first_tasks(path, text, "complete_doctest", _doctest_request)
+    return _first_tasks(path, text, "complete_doctest", _doctest_request, skip)
 
 
 def _doctest_request(name: str, code: str) -> str | None:
@@ -270,23 +272,23 @@ def _doctest_request(name: str, code: str) -> str | None:
 WRITE = "Write a Python function `{signature}`: {summary}"
 
 
-def write_tasks(path: Path, text: str) -> list[Task]:
+def write_tasks(path: Path, text: str, skip: int = 0) -> list[Task]:
     """"write" requests for the first public functions of `text` whose docstrings open with a one-
     paragraph summary (20-300 characters): their signature (without self or cls) and that summary."""
-    return _first_tasks(path, text, "write", _write_request)
+    return _first_tasks(path, text, "write", _write_request, skip)
 
 
-def _first_tasks(path: Path, text: str, kind: str, request) -> list[Task]:
-    """Tasks of `kind` for the first PER_FILE functions of `text` that request(name, code) words a
-    request for (None: not this one)."""
+def _first_tasks(path: Path, text: str, kind: str, request, skip: int = 0) -> list[Task]:
+    """Tasks of `kind` for the first PER_FILE functions of `text`, after the first `skip`, that
+    request(name, code) words a request for (None: not this one)."""
     out = []
     for name, code, _ in functions(text):
         content = request(name, code)
         if content is not None:
             out.append(Task(kind, str(path), [{"role": "user", "content": content}]))
-            if len(out) == PER_FILE:
+            if len(out) == skip + PER_FILE:
                 break
-    return out
+    return out[skip:]
 
 
 def _write_request(name: str, code: str) -> str | None:
