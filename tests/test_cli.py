@@ -91,6 +91,22 @@ def test_generate_data_refuses_shares_outside_0_1_and_negative_offsets(capsys, t
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
 
 
+def test_generate_data_says_when_it_has_fewer_prompts_than_asked(capsys, tmp_path, model_dir, monkeypatch):
+    """Files with one doctest function each: at --function-offset 1 the doctest share finds none, and the
+    data comes out smaller than --count with a warning, not silently."""
+    import deepflash.train.prompts as prompts
+
+    files = [tmp_path / f"m{i}.py" for i in range(6)]
+    for f in files:
+        f.write_text('def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n    return y\n')
+    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    code, out, err = run(capsys, "train-drafter", "generate", "--model", model_dir, "--out", tmp_path / "data",
+                         "--count", 4, "--doctest-fraction", 0.5, "--function-offset", 1, "--long-fraction", 0,
+                         "--max-new-tokens", 4, "--device", "cpu")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["sequences"] == 2
+    assert "warning: 2 prompts for --count 4" in err
+
+
 def test_training_settings_are_checked_before_the_target_loads(capsys, tmp_path):
     code, _, err = run(capsys, "train-drafter", "train", "--data", tmp_path, "--out", tmp_path / "run", "--steps", "1",
                        "--gamma", "0", "--model", "/no/such/model")

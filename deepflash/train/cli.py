@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from pathlib import Path
 
 from ..drafter import STORAGES
@@ -145,6 +146,9 @@ def cmd_generate(args) -> None:
     tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights,
                            doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
                            function_offset=args.function_offset)
+    if len(tasks) < args.count:  # said, not silent: the data is smaller than asked for
+        print(f"deepflash: warning: {len(tasks)} prompts for --count {args.count}: the files ran out of functions "
+              "for the doctest or write share (lower it, or --function-offset)", file=sys.stderr)
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)
