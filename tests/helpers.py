@@ -198,3 +198,16 @@ def triton_device() -> str:
     os.environ["TRITON_INTERPRET"] = "1"
     return "cpu"
 
+
+DOCTEST = 'def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n    return y\n'
+
+
+def site_packages(tmp_path, monkeypatch, text_of):
+    """prompts with site-packages replaced by 40 files, file i holding text_of(i)."""
+    import deepflash.train.prompts as prompts
+
+    files = [tmp_path / f"m{i}.py" for i in range(40)]
+    for i, f in enumerate(files):
+        f.write_text(text_of(i))
+    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    return prompts

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from deepflash.cli import main
-from helpers import save_tiny_drafter, save_tiny_model
+from helpers import DOCTEST, save_tiny_drafter, save_tiny_model, site_packages
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +94,7 @@ def test_generate_data_refuses_shares_outside_0_1_and_negative_offsets(capsys, t
 def test_generate_data_says_when_it_has_fewer_prompts_than_asked(capsys, tmp_path, model_dir, monkeypatch):
     """Files with one doctest function each: at --function-offset 1 the doctest share finds none, and the
     data comes out smaller than --count with a warning, not silently."""
-    import deepflash.train.prompts as prompts
-
-    files = [tmp_path / f"m{i}.py" for i in range(6)]
-    for f in files:
-        f.write_text('def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n    return y\n')
-    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
+    site_packages(tmp_path, monkeypatch, lambda i: DOCTEST)
     code, out, err = run(capsys, "train-drafter", "generate", "--model", model_dir, "--out", tmp_path / "data",
                          "--count", 4, "--doctest-fraction", 0.5, "--function-offset", 1, "--long-fraction", 0,
                          "--max-new-tokens", 4, "--device", "cpu")

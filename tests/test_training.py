@@ -20,7 +20,7 @@ from deepflash.train.prompts import SHORT_TASKS, Task, parse_task_weights, short
 from deepflash.train.shards import Sequence, read_all, split_held_out
 from deepflash.train.trainer import (TrainConfig, Trainer, acceptance_by_position, accepted_drafts, block_loss,
                                      fold_feature_scale, walked_acceptance)
-from helpers import tiny_target, tiny_tokenizer
+from helpers import DOCTEST, site_packages, tiny_target, tiny_tokenizer
 
 
 def naive_allowed(anchors, seq_len, block, causal, window, q, kv):
@@ -226,20 +226,6 @@ def test_functions_finds_every_definition_at_any_depth():
     assert names == [name for _, name in walked] == ["m", "n", "f", "inner", "g", "h", "k"]
     assert functions(NESTED)[-1][1].startswith("@staticmethod\ndef k():")  # decorators included, dedented
     assert functions("def broken(:\n") == ()
-
-
-DOCTEST = 'def double(x):\n    """Twice x.\n\n    >>> double(2)\n    4\n    """\n    y = 2 * x\n    return y\n'
-
-
-def site_packages(tmp_path, monkeypatch, text_of):
-    """prompts with site-packages replaced by 40 files, file i holding text_of(i)."""
-    import deepflash.train.prompts as prompts
-
-    files = [tmp_path / f"m{i}.py" for i in range(40)]
-    for i, f in enumerate(files):
-        f.write_text(text_of(i))
-    monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
-    return prompts
 
 
 def test_doctest_fraction_adds_humaneval_like_requests_and_keeps_the_other_prompts(tmp_path, monkeypatch):
