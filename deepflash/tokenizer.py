@@ -37,13 +37,18 @@ class Tokenizer:
 
     def chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Ids of a conversation rendered by the model's chat template, ready for the assistant's turn."""
+        return self.chats([messages], **template_kwargs)[0]
+
+    def chats(self, conversations: list[list[dict]], **template_kwargs) -> list[list[int]]:
+        """chat() for many conversations: one batched encode, which a fast tokenizer spreads over threads."""
         if not self.hf.chat_template:
             raise UserError("this model has no chat template; pass --raw to send the prompt as plain text")
-        for m in messages:
+        for m in (m for messages in conversations for m in messages):
             if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
                 raise UserError("each message needs a role (system, user or assistant) and a string content")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-        return self.hf.encode(text, add_special_tokens=False)
+        texts = [self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+                 for messages in conversations]
+        return self.hf(texts, add_special_tokens=False)["input_ids"]
 
     def stop_ids(self, model_eos: tuple[int, ...] = ()) -> frozenset[int]:
         ids = set(model_eos)

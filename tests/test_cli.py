@@ -85,7 +85,8 @@ def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, me
 @pytest.mark.parametrize("shares,flag", [(("--doctest-fraction", "1.5"), "--doctest-fraction"),
                                          (("--write-fraction", "-0.1"), "--write-fraction"),
                                          (("--doctest-fraction", "0.6", "--write-fraction", "0.5"), "add up"),
-                                         (("--function-offset", "-1"), "--function-offset")])
+                                         (("--function-offset", "-1"), "--function-offset"),
+                                         (("--prompt-workers", "-1"), "--prompt-workers")])
 def test_generate_data_refuses_shares_outside_0_1_and_negative_offsets(capsys, tmp_path, shares, flag):
     code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path, *shares)
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1

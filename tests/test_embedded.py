@@ -29,3 +29,11 @@ def test_greedy_continuation_matches_transformers():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
     assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) == 32
     assert ours.text.strip()
+
+
+def test_batched_chat_encoding_equals_one_at_a_time():
+    tokenizer = load_tokenizer(load_target(None)[1])
+    conversations = [[{"role": "user", "content": text}] for text in ("Hi!", "def f(x):\n    return x  # 🙂", "a " * 500)]
+    one_by_one = [tokenizer.hf.encode(tokenizer.hf.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                                      add_special_tokens=False) for c in conversations]
+    assert tokenizer.chats(conversations) == one_by_one and tokenizer.chat(conversations[1]) == one_by_one[1]

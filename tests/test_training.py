@@ -280,6 +280,19 @@ def test_function_offset_gives_new_doctest_and_write_requests_from_the_same_file
     assert names == {0: {"double0", "double1"}, 1: {"double2", "double3"}, 2: {"double4"}}
 
 
+def test_worker_processes_make_the_same_prompts(tmp_path, monkeypatch):
+    """Each file's tasks depend on the file and the seed alone, so prompts made in two spawned processes
+    equal those made in this one, in order, and asking for more tasks keeps the first ones."""
+    doctests = "\n\n".join(DOCTEST.replace("double", f"double{j}") for j in range(3))
+    write = 'def area(w, h):\n    """Area of a w x h rectangle, in units."""\n    a = w * h\n    b = a\n    return b\n'
+    prompts = site_packages(tmp_path, monkeypatch, lambda i: (doctests * (i % 3 > 0) + "\n\n" + write) * (1 + i % 2))
+    args = dict(long_fraction=0.5, seed=5, doctest_fraction=0.25, write_fraction=0.25)
+    alone = prompts.training_tasks(16, **args)
+    assert prompts.training_tasks(16, workers=2, **args) == alone
+    assert [t for t in prompts.training_tasks(24, **args) if t.kind not in ("complete_doctest", "write")][:8] == \
+        [t for t in alone if t.kind not in ("complete_doctest", "write")]
+
+
 @pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),
                                          (dict(ckpt_every=0), "--ckpt-every"), (dict(gamma=0.0), "--gamma")])
 def test_training_settings_are_checked(bad, message):
@@ -341,8 +354,8 @@ def test_dataset_shards_hold_prompt_and_response(dataset):
         assert s.loss_mask[first:].all() and not s.loss_mask[:first].any()
     # the cost accounting: every batch's phases, within the whole run's time
     seconds = summary["seconds"]
-    assert set(seconds) == {"prefill", "first step", "decode", "all"} and summary["batches"] >= 2
-    assert 0 <= seconds["prefill"] + seconds["first step"] + seconds["decode"] <= seconds["all"] + 0.01
+    assert set(seconds) == {"tokenize", "prefill", "first step", "decode", "generation"} and summary["batches"] >= 2
+    assert 0 <= seconds["prefill"] + seconds["first step"] + seconds["decode"] <= seconds["generation"] + 0.01
 
 
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):

