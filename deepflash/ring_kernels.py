@@ -160,6 +160,12 @@ if triton is not None:
         return r, r < n
 
     @triton.jit
+    def _and_row(mask, exists):
+        """mask & exists for a mask tile and the row's scalar flag, as a select: Triton 3.9's interpreter (the
+        CPU tests) gives a bool tile & a bool scalar int32 data, which its loads refuse as a mask."""
+        return tl.where(exists, mask, False)
+
+    @triton.jit
     def _columns(chunk, width, GROUPS: tl.constexpr, HALF: tl.constexpr):
         """The chunk's blocks, their columns [GROUPS, 32] (HALF: the first 16 of each block) and which of
         those lie inside the row."""
@@ -189,7 +195,7 @@ if triton is not None:
         for i in tl.range(0, ITEMS, num_stages=STAGES):
             r, exists = _row(n, width, ITEMS, GROUPS, i)
             _write_item(rows, positions, data, tags, s, s_high, row_elems, capacity, width, r, chunk, group, cols,
-                        inside & exists, exists, FMT, GROUPS, BLOCK_BYTES, SCALED)
+                        _and_row(inside, exists), exists, FMT, GROUPS, BLOCK_BYTES, SCALED)
 
     @triton.jit
     def _load_row(rows, s, r, width, cols, mask, SCALED: tl.constexpr):
@@ -213,7 +219,7 @@ if triton is not None:
             x = _load_row(rows, s, r, width, cols, inside, SCALED)
             tl.store(out + cols, x.to(out.dtype.element_ty), mask=inside)
         else:
-            live = (group < width // 32) & exists
+            live = _and_row(group < width // 32, exists)
             block = group * BLOCK_BYTES  # even: the fp16 scale at a block's start is 2-byte aligned
             if FMT == 3:  # q8_0: d = amax / 127, q = round half away from zero (x / d)
                 x = _load_row(rows, s, r, width, cols, inside, SCALED).to(tl.float32)
@@ -254,7 +260,7 @@ if triton is not None:
         s_high = _scale_of(inverse, cols + 16, inside, SCALED and FMT == 4)
         for i in tl.range(0, ITEMS, num_stages=STAGES):
             r, exists = _row(n, width, ITEMS, GROUPS, i)
-            _decode_item(data, out, s, s_high, row_elems, width, r, group, cols, inside & exists, exists, FMT,
+            _decode_item(data, out, s, s_high, row_elems, width, r, group, cols, _and_row(inside, exists), exists, FMT,
                          GROUPS, BLOCK_BYTES, SCALED)
 
     @triton.jit
@@ -265,7 +271,7 @@ if triton is not None:
             _store_values(out, r, width, cols, tl.load(src + cols, mask=inside, other=0.0).to(tl.float32), s, inside,
                           SCALED)
         else:
-            live = (group < width // 32) & exists
+            live = _and_row(group < width // 32, exists)
             block = group * BLOCK_BYTES
             lo = tl.load(src + block, mask=live, other=0).to(tl.int32)
             hi = tl.load(src + block + 1, mask=live, other=0).to(tl.int32)
