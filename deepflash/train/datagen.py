@@ -97,7 +97,7 @@ def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_to
     for ids in tokenizer.chats([task.messages for task in tasks]):
         if len(ids) + 16 <= max_len:
             items.append((ids, rng.random() < sampled_fraction, rng.getrandbits(31)))
-    before = dict(seconds or {}) | {"tokenize": time.perf_counter() - started}
+    before = (seconds or {}) | {"tokenize": time.perf_counter() - started}
     items.sort(key=lambda item: (item[1], len(item[0])))
     batches = _batches(items, max_new_tokens, max_len, batch_tokens, max_batch)
     meta = {"chat_template": tokenizer.hf.chat_template, "vocab_size": target.cfg.vocab_size,

@@ -296,12 +296,13 @@ def _made_in_order(maker, files: list[Path], workers: int):
     jobs = [files[i : i + FILES_PER_JOB] for i in range(0, len(files), FILES_PER_JOB)]
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        pending = collections.deque(pool.submit(_make_each, maker(), job) for job in jobs[: JOBS_AHEAD * workers])
-        for job in jobs[JOBS_AHEAD * workers :] + [None] * len(pending):
-            done = pending.popleft().result()
-            if job is not None:
-                pending.append(pool.submit(_make_each, maker(), job))
-            yield from done
+        pending = collections.deque()
+        for job in jobs:
+            pending.append(pool.submit(_make_each, maker(), job))
+            if len(pending) > JOBS_AHEAD * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
     finally:
         pool.shutdown(cancel_futures=True)
 
