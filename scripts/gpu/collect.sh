@@ -7,6 +7,9 @@
 #   collect.sh candidate  the run's own drafter where pick kept another (a later session can continue
 #                         it: carried as .stage/candidate, INIT_FROM=/root/stage/candidate; without it
 #                         the sixteenth session lost its 5-layer one)
+#   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter (arm-a.part*,
+#                         arm-b.part*; ~25 MB each) with the results (wait.sh runs this before pick: the
+#                         twenty-seventh session's machine went back mid-training and both arms were lost)
 #   collect.sh data [N]   the generated token shards, for the next session to carry (.stage/data.tgz.part*;
 #                         never committed): parts N.. (default 0), four at most (60 MB) per run
 set -uo pipefail
@@ -24,6 +27,18 @@ case "${1:-results}" in
     done
     tar czf "$OUT/results.tgz" -C /root results
     [ -f $D/model.safetensors ] && split -b 15000000 -d $D/model.safetensors "$OUT/drafter.part" ;;
+  arms)
+    source scripts/gpu/env.sh
+    for arm in a b; do
+      run=/root/run$([ $arm = b ] && echo -b)
+      [ -f $run/checkpoint.pt ] || continue
+      cp $run/train.jsonl /root/results/train-$arm.jsonl 2>/dev/null
+      rm -rf /root/arm-$arm
+      deepflash train-drafter export --run $run --out /root/arm-$arm > /dev/null \
+        && split -b 15000000 -d /root/arm-$arm/model.safetensors "$OUT/arm-$arm.part" \
+        && cp /root/arm-$arm/config.json /root/results/arm-$arm-config.json
+    done
+    tar czf "$OUT/results.tgz" -C /root results ;;
   candidate)
     if [ -f $C/model.safetensors ] && ! cmp -s $C/model.safetensors $D/model.safetensors; then
       split -b 15000000 -d $C/model.safetensors "$OUT/candidate.part"
@@ -37,6 +52,6 @@ case "${1:-results}" in
       cp /root/data-parts/$part "$OUT/"
     done ;;
   *)
-    echo "collect.sh [results|candidate|data [N]]" >&2; exit 2 ;;
+    echo "collect.sh [results|arms|candidate|data [N]]" >&2; exit 2 ;;
 esac
 ls -l "$OUT"

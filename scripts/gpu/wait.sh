@@ -2,6 +2,13 @@
 # A keep-alive run: hand the carried code to the chain (it switches to it between stages, keeping the
 # drafter it picked), then return when the chain ends, when the log shows $1 (e.g. "train: start"),
 # or after ~9.5 minutes, with the log tail.
+# No chain log: this machine is not the one start.sh ran on (the twenty-seventh session's was taken back
+# mid-training and the next wait.sh waited its full 9.5 minutes on a fresh one, spending the budget)
+if [ ! -f /root/results/chain.log ]; then
+  echo "wait.sh: no chain on this machine (/root/results/chain.log is missing): the machine start.sh ran" \
+    "on was given back; what earlier runs brought back is all there is" >&2
+  exit 3
+fi
 mkdir -p /root/next && tar cf - deepflash scripts | tar xf - -C /root/next && touch /root/next/READY
 until_seen=${1:-CHAIN_DONE}
 for _ in $(seq 1 114); do
@@ -15,6 +22,8 @@ ls /root/results
 # before that, the results so far (logs, JSON) come back with every call, should the machine be taken away
 if grep -q "CHAIN_DONE\|CHAIN_FAILED\| pick: rc=" /root/results/chain.log 2>/dev/null; then
   bash scripts/gpu/collect.sh
+elif grep -q " train: start" /root/results/chain.log; then
+  bash scripts/gpu/collect.sh arms  # the arms' latest checkpoints, should the machine go before pick
 else
   tar czf "$OUT/results.tgz" -C /root results
 fi
