@@ -156,11 +156,13 @@ def cmd_generate(args) -> None:
     if len(tasks) < args.count:  # said, not silent: the data is smaller than asked for
         print(f"deepflash: warning: {len(tasks)} prompts for --count {args.count}: the files ran out of functions "
               "for the doctest or write share (lower it, or --function-offset)", file=sys.stderr)
+    started = time.perf_counter()
     target, tokenizer, _ = _load(args)
+    load_seconds = time.perf_counter() - started
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
-                            seconds={"prompts": prompt_seconds})
+                            seconds={"prompts": prompt_seconds, "load": load_seconds})
     print(json.dumps(summary))
 
 
