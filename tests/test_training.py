@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from deepflash.drafter import DrafterContext, load_drafter, save_drafter
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
+from deepflash.train import exercises
 from deepflash.train.datagen import build_dataset, generate_batch
 from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
 from deepflash.errors import UserError
@@ -356,6 +357,30 @@ def test_dataset_shards_hold_prompt_and_response(dataset):
     seconds = summary["seconds"]
     assert set(seconds) == {"tokenize", "prefill", "first step", "decode", "generation"} and summary["batches"] >= 2
     assert 0 <= seconds["prefill"] + seconds["first step"] + seconds["decode"] <= seconds["generation"] + 0.01
+
+
+def test_an_exercise_is_the_first_function_with_a_docstring_in_the_answer():
+    doc = '    """Return the even numbers of a list, in order.\n    >>> evens([1, 2])\n    [2]\n    """'
+    answer = f"Here is an exercise:\n```python\ndef helper(x):\n    return x\n\ndef evens(xs: list[int]) -> list[int]:\n{doc}\n"
+    cut_off = answer + "    return [x for x in xs\n```\nThis function returns"  # the body cut off, prose after it
+    assert exercises.first_header(cut_off) == f"def evens(xs: list[int]) -> list[int]:\n{doc}"
+    assert exercises.first_header('def f(x):\n    """Short."""\n    return x') is None  # under 20 characters
+    assert exercises.first_header("Write a function that adds two numbers.") is None
+
+
+def test_exercise_tasks_ask_in_batches_and_keep_distinct_headers(dataset, monkeypatch):
+    target, tok, _, _ = dataset
+    assert exercises.exercise_tasks(target, tok, 3, seed=0, batch=4) == []  # random weights write no Python
+    asked = []
+    monkeypatch.setattr(exercises, "generate_batch", lambda t, rows, *a, **k: asked.append(len(rows)) or [[5]] * len(rows))
+    a, b = 'def a():\n    """A."""', 'def b():\n    """B."""'
+    headers = iter([a, None, a, b] * 3)
+    monkeypatch.setattr(exercises, "first_header", lambda text: next(headers))
+    tasks = exercises.exercise_tasks(target, tok, 2, seed=0, batch=2)
+    assert asked == [2, 2]  # the second batch completes the two distinct exercises: no third
+    assert [t.kind for t in tasks] == ["complete_exercise"] * 2
+    assert tasks[1].messages[0]["content"] == SHORT_TASKS["complete"].format(header=b)
+    assert exercises.exercise_requests(4, 1) == exercises.exercise_requests(4, 1) != exercises.exercise_requests(4, 2)
 
 
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):

@@ -36,6 +36,9 @@ def register(sub) -> None:
     gen.add_argument("--write-fraction", type=float, default=0.0,
                      help="share of requests to write a library function from its signature and docstring summary "
                           "(answered as HumanEval is: code, then prose)")
+    gen.add_argument("--exercise-fraction", type=float, default=0.0,
+                     help="share of --count made of exercises the target writes itself (a signature and docstring "
+                          "per topic), asked back as 'complete' requests; the other shares apply to the rest")
     gen.add_argument("--function-offset", type=int, default=0, metavar="K",
                      help=f"the doctest and write requests skip each file's first K x {PER_FILE} qualifying functions: "
                           "another seed mostly repeats them, another offset gives new ones")
@@ -135,10 +138,12 @@ def target_on(model: str | None, dtype: str, device):
 
 def cmd_generate(args) -> None:
     from .datagen import build_dataset
+    from .exercises import ASKS_PER_EXERCISE, exercise_tasks
     from .prompts import parse_task_weights, training_tasks
 
     weights = parse_task_weights(args.task_weights)  # before loading the model: a typo fails at once
-    for flag, share in (("--doctest-fraction", args.doctest_fraction), ("--write-fraction", args.write_fraction)):
+    for flag, share in (("--doctest-fraction", args.doctest_fraction), ("--write-fraction", args.write_fraction),
+                        ("--exercise-fraction", args.exercise_fraction)):
         if not 0 <= share <= 1:
             raise UserError(f"{flag} must be between 0 and 1, got {share}")
     if args.function_offset < 0:
@@ -148,21 +153,29 @@ def cmd_generate(args) -> None:
                         f"({args.doctest_fraction} + {args.write_fraction})")
     if args.prompt_workers < 0:
         raise UserError(f"--prompt-workers must be 0 (one per CPU) or more, got {args.prompt_workers}")
+    exercises = round(args.count * args.exercise_fraction)
     started = time.perf_counter()  # the prompts before the model: a machine without sources fails at once
-    tasks = training_tasks(args.count, args.long_fraction, args.seed, weights=weights,
+    tasks = training_tasks(args.count - exercises, args.long_fraction, args.seed, weights=weights,
                            doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
                            function_offset=args.function_offset, workers=args.prompt_workers)
     prompt_seconds = time.perf_counter() - started
-    if len(tasks) < args.count:  # said, not silent: the data is smaller than asked for
-        print(f"deepflash: warning: {len(tasks)} prompts for --count {args.count}: the files ran out of functions "
-              "for the doctest or write share (lower it, or --function-offset)", file=sys.stderr)
+    if len(tasks) < args.count - exercises:  # said, not silent: the data is smaller than asked for
+        asked = f"--count {args.count}" + (f" less {exercises} exercises" if exercises else "")
+        print(f"deepflash: warning: {len(tasks)} prompts for {asked}: the files ran out of functions for the "
+              "doctest or write share (lower it, or --function-offset)", file=sys.stderr)
     started = time.perf_counter()
     target, tokenizer, _ = _load(args)
     load_seconds = time.perf_counter() - started
+    written = exercise_tasks(target, tokenizer, exercises, args.seed) if exercises else []
+    if len(written) < exercises:
+        print(f"deepflash: warning: the target wrote {len(written)} usable exercises of {exercises} asked for "
+              f"(from {ASKS_PER_EXERCISE} answers each)", file=sys.stderr)
+    tasks += written
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
-                            seconds={"prompts": prompt_seconds, "load": load_seconds})
+                            seconds={"prompts": prompt_seconds, "load": load_seconds,
+                                     "exercises": time.perf_counter() - started - load_seconds})
     print(json.dumps(summary))
 
 
