@@ -86,7 +86,8 @@ def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, me
                                          (("--write-fraction", "-0.1"), "--write-fraction"),
                                          (("--doctest-fraction", "0.6", "--write-fraction", "0.5"), "add up"),
                                          (("--function-offset", "-1"), "--function-offset"),
-                                         (("--prompt-workers", "-1"), "--prompt-workers")])
+                                         (("--prompt-workers", "-1"), "--prompt-workers"),
+                                         (("--exercise-fraction", "1.2"), "--exercise-fraction")])
 def test_generate_data_refuses_shares_outside_0_1_and_negative_offsets(capsys, tmp_path, shares, flag):
     code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path, *shares)
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
@@ -100,7 +101,22 @@ def test_generate_data_says_when_it_has_fewer_prompts_than_asked(capsys, tmp_pat
                          "--count", 4, "--doctest-fraction", 0.5, "--function-offset", 1, "--long-fraction", 0,
                          "--max-new-tokens", 4, "--device", "cpu")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["sequences"] == 2
-    assert "warning: 2 prompts for --count 4" in err
+    assert "warning: 2 prompts from the sources for 4 asked" in err
+
+
+def test_generate_data_says_when_the_target_wrote_fewer_exercises_than_asked(capsys, tmp_path, model_dir,
+                                                                           monkeypatch):
+    """A random-weight target writes no Python: the exercise share comes out empty with a warning, and
+    a run of exercises alone fails with one line instead of writing no data."""
+    site_packages(tmp_path, monkeypatch, lambda i: DOCTEST)
+    args = ["--model", model_dir, "--long-fraction", 0, "--max-new-tokens", 4, "--device", "cpu"]
+    code, out, err = run(capsys, "train-drafter", "generate", "--out", tmp_path / "data", "--count", 4,
+                         "--exercise-fraction", 0.5, *args)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["sequences"] == 2
+    assert "the target wrote 0 usable exercises of 2" in err
+    code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path / "none", "--count", 2,
+                       "--exercise-fraction", 1, *args)
+    assert code == 2 and "no prompts to answer" in err
 
 
 def test_training_settings_are_checked_before_the_target_loads(capsys, tmp_path):

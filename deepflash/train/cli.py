@@ -139,7 +139,7 @@ def target_on(model: str | None, dtype: str, device):
 def cmd_generate(args) -> None:
     from .datagen import build_dataset
     from .exercises import ASKS_PER_EXERCISE, exercise_tasks
-    from .prompts import parse_task_weights, training_tasks
+    from .prompts import parse_task_weights
 
     weights = parse_task_weights(args.task_weights)  # before loading the model: a typo fails at once
     for flag, share in (("--doctest-fraction", args.doctest_fraction), ("--write-fraction", args.write_fraction),
@@ -155,14 +155,8 @@ def cmd_generate(args) -> None:
         raise UserError(f"--prompt-workers must be 0 (one per CPU) or more, got {args.prompt_workers}")
     exercises = round(args.count * args.exercise_fraction)
     started = time.perf_counter()  # the prompts before the model: a machine without sources fails at once
-    tasks = training_tasks(args.count - exercises, args.long_fraction, args.seed, weights=weights,
-                           doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
-                           function_offset=args.function_offset, workers=args.prompt_workers)
+    tasks = _source_tasks(args, args.count - exercises, weights)
     prompt_seconds = time.perf_counter() - started
-    if len(tasks) < args.count - exercises:  # said, not silent: the data is smaller than asked for
-        asked = f"--count {args.count}" + (f" less {exercises} exercises" if exercises else "")
-        print(f"deepflash: warning: {len(tasks)} prompts for {asked}: the files ran out of functions for the "
-              "doctest or write share (lower it, or --function-offset)", file=sys.stderr)
     started = time.perf_counter()
     target, tokenizer, _ = _load(args)
     load_seconds = time.perf_counter() - started
@@ -171,12 +165,29 @@ def cmd_generate(args) -> None:
         print(f"deepflash: warning: the target wrote {len(written)} usable exercises of {exercises} asked for "
               f"(from {ASKS_PER_EXERCISE} answers each)", file=sys.stderr)
     tasks += written
+    if not tasks:
+        raise UserError("no prompts to answer: the sources gave none and the target wrote no usable exercise")
     summary = build_dataset(target, tokenizer, tasks, Path(args.out), max_new_tokens=args.max_new_tokens,
                             max_len=args.max_len or target.cfg.max_position_embeddings,
                             batch_tokens=args.batch_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
                             seconds={"prompts": prompt_seconds, "load": load_seconds,
                                      "exercises": time.perf_counter() - started - load_seconds})
     print(json.dumps(summary))
+
+
+def _source_tasks(args, count: int, weights) -> list:
+    """The prompts made from the installed sources (training_tasks), with a warning if they ran short."""
+    from .prompts import training_tasks
+
+    if count == 0:  # exercises alone need no sources
+        return []
+    tasks = training_tasks(count, args.long_fraction, args.seed, weights=weights,
+                           doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
+                           function_offset=args.function_offset, workers=args.prompt_workers)
+    if len(tasks) < count:  # said, not silent: the data is smaller than asked for
+        print(f"deepflash: warning: {len(tasks)} prompts from the sources for {count} asked: the files ran out of "
+              "functions for the doctest or write share (lower it, or --function-offset)", file=sys.stderr)
+    return tasks
 
 
 def cmd_train(args) -> None:
