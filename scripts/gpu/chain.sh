@@ -75,9 +75,10 @@ else
   NEW_DATA=1
 fi
 # MORE_DATA (generate arguments, e.g. "--count 6000 --seed 1") adds shards to the carried or new data
-adopt() {  # adopt FOLDER NAME: move a generate run's shards into the data under names no earlier run used
-  local tag=$2-$(date +%s)
-  for f in $1/shard-*.safetensors; do mv "$f" "$DATA/shard-$tag-${f##*/shard-}"; done
+adopt() {  # adopt FOLDER NAME [INTO]: move a generate run's shards into the data (or INTO), under new names
+  local tag=$2-$(date +%s) into=${3:-$DATA}
+  mkdir -p "$into"
+  for f in $1/shard-*.safetensors; do mv "$f" "$into/shard-$tag-${f##*/shard-}"; done
   cp $1/summary.json $R/data-$2-summary.json
   NEW_DATA=1
 }
@@ -90,7 +91,16 @@ if [ -n "${GPU1_DATA:-}" ]; then
   tail -n 2 "$R/datagen-gpu1.log"
   adopt $DATA-gpu1 gpu1
 fi
-# collect.sh brings the shards back, so later sessions can skip datagen
+# ARM_A_DATA (generate arguments, e.g. "--count 3000 --exercise-fraction 1 --seed 20"): shards that arm A
+# alone trains on, beside the shared ones (an A/B of data: B, TRAIN_B, trains on the shared data only)
+TRAIN_DATA_A=$DATA
+if [ -n "${ARM_A_DATA:-}" ]; then
+  stage datagen-a deepflash train-drafter generate --device $DEVICE --out $DATA-a-new $ARM_A_DATA
+  adopt $DATA-a-new arm-a $DATA/arm-a  # beside any carried in arm-a/
+  TRAIN_DATA_A=$DATA-a && rm -rf $TRAIN_DATA_A && mkdir -p $TRAIN_DATA_A
+  ln -s $DATA/shard-*.safetensors $DATA/arm-a/shard-*.safetensors $TRAIN_DATA_A/
+fi
+# collect.sh brings the shards back (arm A's own in arm-a/), so later sessions can skip datagen
 [ -n "${NEW_DATA:-}" ] && tar czf $ROOT/data.tgz -C $DATA . && echo "=== $(date +%T) data packed: $(du -h $ROOT/data.tgz)"
 [ "${TRAIN:-1}" = 0 ] && { echo "CHAIN_DONE (TRAIN=0)"; exit 0; }
 # training continues from the shipped drafter (--init-from: its architecture, fresh optimizer), so that
@@ -116,15 +126,15 @@ PY
   echo "=== attention for training: $ATTENTION"
 fi
 # --pad-to: every new batch shape costs host time (BENCHMARKS.md, third session); PAD_TO=0 turns it off
-train_run() {  # train_run OUT [EXTRA ARGS...]
-  deepflash train-drafter train --device $DEVICE --data $DATA --out "$1" --layers $LAYERS --batch-tokens $BATCH_TOKENS \
+train_run() {  # train_run OUT DATA [EXTRA ARGS...]
+  deepflash train-drafter train --device $DEVICE --data "$2" --out "$1" --layers $LAYERS --batch-tokens $BATCH_TOKENS \
     --max-minutes $TRAIN_MINUTES --lr $LR --attention ${ATTENTION:-sdpa} --pad-to ${PAD_TO:-256} \
     --workers ${TRAIN_WORKERS:-1} \
-    ${INIT_FROM:+--init-from $INIT_FROM} "${@:2}"
+    ${INIT_FROM:+--init-from $INIT_FROM} "${@:3}"
 }
 # TRAIN_B (extra arguments) trains a second arm side by side for an A/B; pick then chooses among all
-[ -n "${TRAIN_B:-}" ] && { stage train-b train_run $RUN-b $TRAIN_B & }
-stage train train_run $RUN ${TRAIN_EXTRA:-}
+[ -n "${TRAIN_B:-}" ] && { stage train-b train_run $RUN-b $DATA $TRAIN_B & }
+stage train train_run $RUN $TRAIN_DATA_A ${TRAIN_EXTRA:-}
 wait
 # ship the new drafter only if it beats the shipped one per byte
 stage pick python3 scripts/gpu/pick_drafter.py $RUN/drafter ${TRAIN_B:+$RUN-b/drafter} $ROOT/shipped-drafter --device $DEVICE \
