@@ -361,7 +361,8 @@ def test_dataset_shards_hold_prompt_and_response(dataset):
 
 def test_an_exercise_is_the_first_function_with_a_docstring_in_the_answer():
     doc = '    """Return the even numbers of a list, in order.\n    >>> evens([1, 2])\n    [2]\n    """'
-    answer = f"Here is an exercise:\n```python\ndef helper(x):\n    return x\n\ndef evens(xs: list[int]) -> list[int]:\n{doc}\n"
+    answer = ("Here is an exercise:\n```python\ndef helper(x):\n    return x\n\n"
+              f"def evens(xs: list[int]) -> list[int]:\n{doc}\n")
     cut_off = answer + "    return [x for x in xs\n```\nThis function returns"  # the body cut off, prose after it
     assert exercises.first_header(cut_off) == f"def evens(xs: list[int]) -> list[int]:\n{doc}"
     assert exercises.first_header('def f(x):\n    """Short."""\n    return x') is None  # under 20 characters
@@ -372,7 +373,11 @@ def test_exercise_tasks_ask_in_batches_and_keep_distinct_headers(dataset, monkey
     target, tok, _, _ = dataset
     assert exercises.exercise_tasks(target, tok, 3, seed=0, batch=4) == []  # random weights write no Python
     asked = []
-    monkeypatch.setattr(exercises, "generate_batch", lambda t, rows, *a, **k: asked.append(len(rows)) or [[5]] * len(rows))
+    def generate(target, rows, *args):
+        asked.append(len(rows))
+        return [[5]] * len(rows)
+
+    monkeypatch.setattr(exercises, "generate_batch", generate)
     a, b = 'def a():\n    """A."""', 'def b():\n    """B."""'
     headers = iter([a, None, a, b] * 3)
     monkeypatch.setattr(exercises, "first_header", lambda text: next(headers))

@@ -52,7 +52,7 @@ def first_header(text: str) -> str | None:
     return None
 
 
-def exercise_tasks(target, tokenizer, count: int, seed: int, batch: int = 256, timer=None) -> list[Task]:
+def exercise_tasks(target, tokenizer, count: int, seed: int, batch: int = 256) -> list[Task]:
     """Up to `count` distinct "complete" requests for exercises the target writes (sampled at 0.8), asking
     up to ASKS_PER_EXERCISE x count times in batches."""
     rng = random.Random(seed)
@@ -64,11 +64,12 @@ def exercise_tasks(target, tokenizer, count: int, seed: int, batch: int = 256, t
         progress = display.add_task("writing exercises", total=count)
         for lo in range(0, len(asks), batch):
             rows = asks[lo : lo + batch]
-            replies = generate_batch(target, rows, ANSWER_TOKENS, stop_ids, params,
-                                     [rng.getrandbits(31) for _ in rows], timer=timer)
-            headers.update(dict.fromkeys(h for h in map(first_header, tokenizer.hf.batch_decode(replies, skip_special_tokens=True)) if h))
+            replies = generate_batch(target, rows, ANSWER_TOKENS, stop_ids, params, [rng.getrandbits(31) for _ in rows])
+            texts = tokenizer.hf.batch_decode(replies, skip_special_tokens=True)
+            headers.update(dict.fromkeys(h for h in map(first_header, texts) if h))
             display.update(progress, completed=min(len(headers), count))
             if len(headers) >= count:
                 break
     return [Task("complete_exercise", "written by the target",
-                 [{"role": "user", "content": SHORT_TASKS["complete"].format(header=h)}]) for h in list(headers)[:count]]
+                 [{"role": "user", "content": SHORT_TASKS["complete"].format(header=header)}])
+            for header in list(headers)[:count]]

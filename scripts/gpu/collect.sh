@@ -9,7 +9,7 @@
 #                         the sixteenth session lost its 5-layer one)
 #   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter (arm-a.part*,
 #                         arm-b.part*; ~25 MB each) with the results (wait.sh runs this before pick: the
-#                         twenty-seventh session's machine went back mid-training and both arms were lost)
+#                         twenty-seventh session's machine went back before pick and both arms were lost)
 #   collect.sh data [N]   the generated token shards, for the next session to carry (.stage/data.tgz.part*;
 #                         never committed): parts N.. (default 0), four at most (60 MB) per run
 set -uo pipefail

@@ -2,8 +2,8 @@
 # A keep-alive run: hand the carried code to the chain (it switches to it between stages, keeping the
 # drafter it picked), then return when the chain ends, when the log shows $1 (e.g. "train: start"),
 # or after ~9.5 minutes, with the log tail.
-# No chain log: this machine is not the one start.sh ran on (the twenty-seventh session's was taken back
-# mid-training and the next wait.sh waited its full 9.5 minutes on a fresh one, spending the budget)
+# No chain log: this machine is not the one start.sh ran on (the twenty-seventh session's went back
+# between two calls and the next wait.sh waited its full 9.5 minutes on a fresh one, spending the budget)
 if [ ! -f /root/results/chain.log ]; then
   echo "wait.sh: no chain on this machine (/root/results/chain.log is missing): the machine start.sh ran" \
     "on was given back; what earlier runs brought back is all there is" >&2
