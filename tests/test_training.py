@@ -402,6 +402,8 @@ def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     assert log[0]["step"] == 1 and len(log[0]["accept"]) == 3 and log[-1]["eval_al"] >= 1
     drafter = load_drafter(folder)
     assert drafter.cfg.trained_context_length == 160 and drafter.cfg.block_size == 4
+    data = json.loads((folder / "training.json").read_text())["data"]
+    assert data["sequences"] + data["held_out"] == 8 and data["held_out"] >= 1 and data["response_tokens"] > 0
     prompt = [5, 9, 22, 31]
     params = SamplingParams(max_new_tokens=20)
     spec = Engine(target, tok, drafter, spec="on").complete(prompt, params)

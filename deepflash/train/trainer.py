@@ -651,10 +651,18 @@ class Trainer:
         save_drafter(fold_feature_scale(self.drafter, self.feature_scale), folder, dtype=torch.bfloat16,
                      storage=self.storage)
         summary = {"train_config": asdict(self.tc), "steps": self.progress.step, "tokens": self.progress.tokens,
-                   "elapsed_s": round(self.progress.elapsed, 1), "data": self.data_meta.get("summary"),
+                   "elapsed_s": round(self.progress.elapsed, 1), "data": self.data_counts(),
                    "last_eval": self.progress.history[-1] if self.progress.history else None}
         (folder / "training.json").write_text(json.dumps(summary, indent=2, default=str))
         return folder
+
+    def data_counts(self) -> dict[str, int]:
+        """What the data held: sequences trained on and held out, and their response (loss) tokens."""
+        def responses(seqs):
+            return sum(int(s.loss_mask.sum()) for s in seqs)
+
+        return {"sequences": len(self.train_seqs), "held_out": len(self.eval_seqs),
+                "response_tokens": responses(self.train_seqs), "held_out_response_tokens": responses(self.eval_seqs)}
 
     # --- checkpoints --------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
