@@ -91,16 +91,18 @@ if [ -n "${GPU1_DATA:-}" ]; then
   tail -n 2 "$R/datagen-gpu1.log"
   adopt $DATA-gpu1 gpu1
 fi
-# ARM_A_DATA (generate arguments, e.g. "--count 3000 --exercise-fraction 1 --seed 20"): shards that arm A
-# alone trains on, beside the shared ones (an A/B of data: B, TRAIN_B, trains on the shared data only)
-TRAIN_DATA_A=$DATA
-if [ -n "${ARM_A_DATA:-}" ]; then
-  stage datagen-a deepflash train-drafter generate --device $DEVICE --out $DATA-a-new $ARM_A_DATA
-  adopt $DATA-a-new arm-a $DATA/arm-a  # beside any carried in arm-a/
-  TRAIN_DATA_A=$DATA-a && rm -rf $TRAIN_DATA_A && mkdir -p $TRAIN_DATA_A
-  ln -s $DATA/shard-*.safetensors $DATA/arm-a/shard-*.safetensors $TRAIN_DATA_A/
-fi
-# collect.sh brings the shards back (arm A's own in arm-a/), so later sessions can skip datagen
+# ARM_A_DATA, ARM_B_DATA (generate arguments, e.g. "--count 3000 --exercise-fraction 1 --seed 20"): shards that
+# one arm alone trains on beside the shared ones, kept in the data's arm-a/ or arm-b/ (an A/B of data)
+declare -A ARM_DATA=([a]=$DATA [b]=$DATA)
+for arm in a b; do
+  args=ARM_${arm^^}_DATA
+  [ -n "${!args:-}" ] || continue
+  stage datagen-$arm deepflash train-drafter generate --device $DEVICE --out $DATA-$arm-new ${!args}
+  adopt $DATA-$arm-new arm-$arm $DATA/arm-$arm  # beside any carried in arm-$arm/
+  ARM_DATA[$arm]=$DATA-$arm && rm -rf $DATA-$arm && mkdir -p $DATA-$arm
+  ln -s $DATA/shard-*.safetensors $DATA/arm-$arm/shard-*.safetensors $DATA-$arm/
+done
+# collect.sh brings the shards back (an arm's own in arm-a/, arm-b/), so later sessions can skip datagen
 [ -n "${NEW_DATA:-}" ] && tar czf $ROOT/data.tgz -C $DATA . && echo "=== $(date +%T) data packed: $(du -h $ROOT/data.tgz)"
 [ "${TRAIN:-1}" = 0 ] && { echo "CHAIN_DONE (TRAIN=0)"; exit 0; }
 # training continues from the shipped drafter (--init-from: its architecture, fresh optimizer), so that
@@ -133,8 +135,8 @@ train_run() {  # train_run OUT DATA [EXTRA ARGS...]
     ${INIT_FROM:+--init-from $INIT_FROM} "${@:3}"
 }
 # TRAIN_B (extra arguments) trains a second arm side by side for an A/B; pick then chooses among all
-[ -n "${TRAIN_B:-}" ] && { stage train-b train_run $RUN-b $DATA $TRAIN_B & }
-stage train train_run $RUN $TRAIN_DATA_A ${TRAIN_EXTRA:-}
+[ -n "${TRAIN_B:-}" ] && { stage train-b train_run $RUN-b ${ARM_DATA[b]} $TRAIN_B & }
+stage train train_run $RUN ${ARM_DATA[a]} ${TRAIN_EXTRA:-}
 wait
 # ship the new drafter only if it beats the shipped one per byte
 stage pick python3 scripts/gpu/pick_drafter.py $RUN/drafter ${TRAIN_B:+$RUN-b/drafter} $ROOT/shipped-drafter --device $DEVICE \
