@@ -4,12 +4,14 @@ steps lower the loss, and the exported drafter loads and keeps the greedy contra
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from deepflash.cli import main
 from deepflash.drafter import DrafterContext, load_drafter, save_drafter
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
@@ -369,6 +371,13 @@ def test_an_exercise_is_the_first_function_with_a_docstring_in_the_answer():
     assert exercises.first_header("Write a function that adds two numbers.") is None
 
 
+def test_an_exercise_with_a_stray_escape_is_read_without_a_warning():
+    code = 'def path(x: str) -> str:\n    """Join x to C:\\cache, as in 1st examples."""'
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning of the escape would raise here
+        assert exercises.first_header(code) == code
+
+
 def test_exercise_tasks_ask_in_batches_and_keep_distinct_headers(dataset, monkeypatch):
     target, tok, _, _ = dataset
     assert exercises.exercise_tasks(target, tok, 3, seed=0, batch=4) == []  # random weights write no Python
@@ -404,6 +413,11 @@ def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     assert drafter.cfg.trained_context_length == 160 and drafter.cfg.block_size == 4
     data = json.loads((folder / "training.json").read_text())["data"]
     assert data["sequences"] + data["held_out"] == 8 and data["held_out"] >= 1 and data["response_tokens"] > 0
+    # train-drafter export makes the same drafter from the run's checkpoint and says its step
+    assert main(["train-drafter", "export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    exported = json.loads((tmp_path / "exported" / "training.json").read_text())
+    assert exported["steps"] == 40 and exported["last_eval"] == trainer.progress.history[-1]
     prompt = [5, 9, 22, 31]
     params = SamplingParams(max_new_tokens=20)
     spec = Engine(target, tok, drafter, spec="on").complete(prompt, params)

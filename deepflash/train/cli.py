@@ -232,4 +232,11 @@ def cmd_export(args) -> None:
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["config"]))
     drafter.load_state_dict(state["drafter"])
     drafter = fold_feature_scale(drafter, state["feature_scale"])
-    print(json.dumps({"drafter": str(save_drafter(drafter, args.out, storage=args.storage))}))
+    folder = save_drafter(drafter, args.out, storage=args.storage)
+    # which step this is: an export made while the run trains (collect.sh arms) cannot tell otherwise
+    progress = state["progress"]
+    (folder / "training.json").write_text(json.dumps(
+        {"checkpoint": str(path), "steps": progress["step"], "tokens": progress["tokens"],
+         "elapsed_s": round(progress["elapsed"], 1),
+         "last_eval": progress["history"][-1] if progress["history"] else None}, indent=2))
+    print(json.dumps({"drafter": str(folder)}))

@@ -4,8 +4,10 @@ The target is asked, sampled, for a new Python exercise on a topic: a signature 
 examples. Each answer's first function that parses with a docstring gives its header, which becomes a
 "complete" request worded like bench accept's HumanEval ones. The text is the target's own, so no
 evaluation source enters training. Short algorithmic functions are what HumanEval asks for and what the
-site-packages tasks rarely are: on the CPU the shipped drafter walked 3.13 on 32 such requests, between
-HumanEval's 2.98 and the data's write requests' 3.27 (BENCHMARKS.md, "Exercises the target writes").
+site-packages tasks rarely are: on the CPU the shipped drafter walked 40 such requests at 3.10, HumanEval's
+first 40 at 3.06 and the data's write requests at 3.21, all within each other's 95% intervals
+(BENCHMARKS.md, "Exercises the target writes"). Trained on, 3000 of them raised HumanEval AL 2.0% on the
+GPU where as many drawn tasks gave 0.8% (twenty-eighth GPU session).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 from ..progress import bar
 from ..sampling import SamplingParams
 from .datagen import generate_batch
-from .prompts import SHORT_TASKS, Task, _header
+from .prompts import SHORT_TASKS, Task, _header, parse_quietly
 
 TOPICS = ("strings", "lists of numbers", "prime numbers", "dictionaries", "sorting", "dates", "matrices",
           "palindromes", "vowels", "binary numbers", "fibonacci numbers", "anagrams", "word counts", "averages",
@@ -42,7 +44,7 @@ def first_header(text: str) -> str | None:
         for end in range(min(len(lines), start + 60), start + 1, -1):
             code = "\n".join(lines[start:end])
             try:
-                node = ast.parse(code).body[0]
+                node = parse_quietly(code).body[0]
             except SyntaxError:
                 continue
             doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import sysconfig
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,15 @@ def _top_level(dist: Path) -> list[str]:
     return [dist.name.split("-")[0].lower()]
 
 
+def parse_quietly(code: str) -> ast.Module:
+    """ast.parse without the warnings Python gives for stray escapes and "1st"-like literals (a
+    SyntaxWarning from 3.12, a DeprecationWarning before): the code is only read, never run, and the
+    target's own exercises put dozens of such lines on the GPU datagen's stderr."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(code)
+
+
 @functools.lru_cache(maxsize=4)
 def functions(text: str) -> tuple[tuple[str, str, int], ...]:
     """(name, source, line) of top-level and method functions of 4..80 lines, in file order. Sources
@@ -110,7 +120,7 @@ def functions(text: str) -> tuple[tuple[str, str, int], ...]:
     training_tasks asks up to three times per file (doctest, write and drawn tasks), and parsing was
     most of its time."""
     try:
-        tree = ast.parse(text)
+        tree = parse_quietly(text)
     except (SyntaxError, ValueError):
         return ()
     lines = text.splitlines(keepends=True)
@@ -148,7 +158,7 @@ def _dedent(src: str) -> str:
 def _header(src: str) -> str | None:
     """Signature and docstring of a function (the part a 'complete this' task shows)."""
     try:
-        node = ast.parse(src).body[0]
+        node = parse_quietly(src).body[0]
     except (SyntaxError, IndexError):
         return None
     doc = ast.get_docstring(node, clean=False)
@@ -177,7 +187,7 @@ def short_task(rng: random.Random, path: Path, text: str, weights: dict[str, flo
             return Task(kind, str(path), [{"role": "user", "content": SHORT_TASKS[kind].format(header=header)}])
     if kind == "summarize":
         try:
-            doc = ast.get_docstring(ast.parse(text))
+            doc = ast.get_docstring(parse_quietly(text))
         except (SyntaxError, ValueError):
             doc = None
         if not doc or len(doc) < 200:
@@ -355,7 +365,7 @@ def _write_request(name: str, code: str) -> str | None:
     if name.startswith("_"):
         return None
     try:
-        node = ast.parse(code).body[0]
+        node = parse_quietly(code).body[0]
     except (SyntaxError, IndexError):
         return None
     doc = ast.get_docstring(node)

@@ -8,8 +8,10 @@
 #                         it: carried as .stage/candidate, INIT_FROM=/root/stage/candidate; without it
 #                         the sixteenth session lost its 5-layer one)
 #   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter (arm-a.part*,
-#                         arm-b.part*; ~25 MB each) with the results (wait.sh runs this before pick: the
-#                         twenty-seventh session's machine went back before pick and both arms were lost)
+#                         arm-b.part*; ~25 MB each) with the results, its config.json and training.json (the
+#                         checkpoint's step) as results/arm-*-config.json, -training.json (wait.sh runs this
+#                         before pick: the twenty-seventh session's machine went back before pick and both arms
+#                         were lost; the twenty-eighth's arm A shipped from these parts)
 #   collect.sh data [N]   the generated token shards, for the next session to carry (.stage/data.tgz.part*;
 #                         never committed): parts N.. (default 0), four at most (60 MB) per run
 set -uo pipefail
@@ -36,7 +38,8 @@ case "${1:-results}" in
       rm -rf /root/arm-$arm
       deepflash train-drafter export --run $run --out /root/arm-$arm > /dev/null \
         && split -b 15000000 -d /root/arm-$arm/model.safetensors "$OUT/arm-$arm.part" \
-        && cp /root/arm-$arm/config.json /root/results/arm-$arm-config.json
+        && cp /root/arm-$arm/config.json /root/results/arm-$arm-config.json \
+        && cp /root/arm-$arm/training.json /root/results/arm-$arm-training.json
     done
     tar czf "$OUT/results.tgz" -C /root results ;;
   candidate)

@@ -13,7 +13,11 @@ if ls .stage/data.tgz.part* >/dev/null 2>&1; then
   cp .stage/data.tgz.part* /root/stage/
   cat /root/stage/data.tgz.part* > /root/stage/data.tgz
 fi
-# a drafter an earlier session trained and did not ship (collect.sh), to continue: INIT_FROM=/root/stage/candidate
-[ -d .stage/candidate ] && rm -rf /root/stage/candidate && cp -r .stage/candidate /root/stage/candidate
+# drafters an earlier session trained and did not ship: .stage/candidate (collect.sh candidate), to continue
+# (INIT_FROM=/root/stage/candidate), and .stage/arm-a, .stage/arm-b (collect.sh arms, from a machine that
+# went back before pick), to measure; each arm fits beside the working tree in a run of its own
+for drafter in .stage/candidate .stage/arm-a .stage/arm-b; do
+  [ -d $drafter ] && rm -rf /root/stage/${drafter#.stage/} && cp -r $drafter /root/stage/
+done
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
