@@ -20,8 +20,8 @@ from ..sampling import SamplingParams
 from .datagen import generate_batch
 from .prompts import SHORT_TASKS, Task, _header, parse_quietly
 
-# the short algorithmic functions of an introductory programming course; 32 topics gave 3000 exercises
-# 1835 distinct function names, palindromes and fibonacci numbers 214 of them (twenty-eighth session)
+# the short algorithmic functions of an introductory programming course: with the first 32 topics, 3000
+# exercises had 1835 distinct function names, 214 of them palindromes or fibonacci numbers (twenty-eighth session)
 TOPICS = ("strings", "lists of numbers", "prime numbers", "dictionaries", "sorting", "dates", "matrices",
           "palindromes", "vowels", "binary numbers", "fibonacci numbers", "anagrams", "word counts", "averages",
           "intervals", "brackets", "digits of a number", "tuples", "sets", "rounding", "leap years", "temperatures",
