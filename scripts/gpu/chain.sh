@@ -71,15 +71,19 @@ fi
 rm -rf $ROOT/shipped-drafter && cp -r deepflash/drafters/smollm2-135m $ROOT/shipped-drafter
 # CANDIDATES (drafter folders): no data and no training, pick among them and the shipped drafter, then
 # measure; e.g. the arms collect.sh brought back from a machine that went back before pick, carried as
-# .stage/arm-a and .stage/arm-b (CANDIDATES="/root/stage/arm-a /root/stage/arm-b")
-if [ -n "${CANDIDATES:-}" ]; then
+# .stage/arm-a and .stage/arm-b (CANDIDATES="/root/stage/arm-a /root/stage/arm-b"). CANDIDATES=none: no pick
+# either, only the measurements of the drafter in the working tree (one a machine that went back after pick
+# had chosen, unpacked there from collect.sh's drafter.part*)
+if [ "${CANDIDATES:-}" = none ]; then
+  echo "=== $(date +%T) candidates: none, measuring the working tree's drafter"
+elif [ -n "${CANDIDATES:-}" ]; then
   echo "=== $(date +%T) candidates: $CANDIDATES"
 else
   source scripts/gpu/train_chain.sh
 fi
 # ship the new drafter only if it beats the shipped one per byte
-stage pick python3 scripts/gpu/pick_drafter.py $CANDIDATES $ROOT/shipped-drafter --device $DEVICE \
-  --prompts $PICK_PROMPTS --into deepflash/drafters/smollm2-135m --out $R/pick.json \
+[ "${CANDIDATES:-}" = none ] || stage pick python3 scripts/gpu/pick_drafter.py $CANDIDATES $ROOT/shipped-drafter \
+  --device $DEVICE --prompts $PICK_PROMPTS --into deepflash/drafters/smollm2-135m --out $R/pick.json \
   || { echo "CHAIN_FAILED: no drafter"; exit 1; }
 stage accept deepflash bench accept --device $DEVICE --out $R/accept.json --plot $R/accept.png $ACCEPT_ARGS
 stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed.json $SPEED_ARGS \
