@@ -25,15 +25,15 @@ if __name__ == "__main__":
     prompts = depth_prompts(rt.tokenizer, depth, count)
     params = SamplingParams(max_new_tokens=128)
     rows, began = {}, time.perf_counter()
-    for fmt in configs:
-        cap = int(fmt[3:]) if fmt.startswith("cap") else None
-        engine = Engine(rt.target, rt.tokenizer, rt.drafter, spec="on", feature_dtype="f32" if cap else fmt,
+    for config in configs:
+        cap = int(config[3:]) if config.startswith("cap") else None
+        engine = Engine(rt.target, rt.tokenizer, rt.drafter, spec="on", feature_dtype="f32" if cap else config,
                         feat_ring_cap=cap)
-        rows[fmt] = measure(engine, prompts, params, warm_up=False)[0]
-        if fmt != configs[0]:
-            rows[fmt]["vs"] = paired_change(rows[configs[0]], rows[fmt])
-        print(fmt, rows[fmt]["acceptance_length"], rows[fmt].get("vs"), rows[fmt]["per_prompt_steps_committed"],
-              flush=True)
+        rows[config] = measure(engine, prompts, params, warm_up=False)[0]
+        if config != configs[0]:
+            rows[config]["vs"] = paired_change(rows[configs[0]], rows[config])
+        print(config, rows[config]["acceptance_length"], rows[config].get("vs"),
+              rows[config]["per_prompt_steps_committed"], flush=True)
     print(json.dumps({"depth": depth, "prompts": [len(p) for p in prompts],
                       "seconds": round(time.perf_counter() - began),
                       **{f: {"al": r["acceptance_length"], "vs": r.get("vs"),

@@ -223,7 +223,7 @@ def cmd_export(args) -> None:
 
     from ..config import DrafterConfig
     from ..drafter import DFlashDrafter, save_drafter
-    from .trainer import fold_feature_scale
+    from .trainer import Progress, fold_feature_scale
 
     path = Path(args.run) / "checkpoint.pt"
     if not path.is_file():
@@ -234,9 +234,6 @@ def cmd_export(args) -> None:
     drafter = fold_feature_scale(drafter, state["feature_scale"])
     folder = save_drafter(drafter, args.out, storage=args.storage)
     # which step this is: an export made while the run trains (collect.sh arms) cannot tell otherwise
-    progress = state["progress"]
-    (folder / "training.json").write_text(json.dumps(
-        {"checkpoint": str(path), "steps": progress["step"], "tokens": progress["tokens"],
-         "elapsed_s": round(progress["elapsed"], 1),
-         "last_eval": progress["history"][-1] if progress["history"] else None}, indent=2))
+    summary = {"checkpoint": str(path), **Progress(**state["progress"]).summary()}
+    (folder / "training.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({"drafter": str(folder)}))

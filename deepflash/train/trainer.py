@@ -136,6 +136,11 @@ class Progress:
     tokens: int = 0
     history: list[dict] = field(default_factory=list)
 
+    def summary(self) -> dict:
+        """What an exported drafter's training.json says of the run's progress."""
+        return {"steps": self.step, "tokens": self.tokens, "elapsed_s": round(self.elapsed, 1),
+                "last_eval": self.history[-1] if self.history else None}
+
 
 def pick_mask_token(tokenizer, stop_ids: frozenset[int]) -> int:
     """A token whose frozen embedding stands for "masked": a dedicated mask token if the vocabulary
@@ -650,9 +655,7 @@ class Trainer:
     def export(self, folder: Path) -> Path:
         save_drafter(fold_feature_scale(self.drafter, self.feature_scale), folder, dtype=torch.bfloat16,
                      storage=self.storage)
-        summary = {"train_config": asdict(self.tc), "steps": self.progress.step, "tokens": self.progress.tokens,
-                   "elapsed_s": round(self.progress.elapsed, 1), "data": self.data_counts(),
-                   "last_eval": self.progress.history[-1] if self.progress.history else None}
+        summary = {"train_config": asdict(self.tc), **self.progress.summary(), "data": self.data_counts()}
         (folder / "training.json").write_text(json.dumps(summary, indent=2, default=str))
         return folder
 
