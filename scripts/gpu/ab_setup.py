@@ -13,6 +13,7 @@ from deepflash.bench.prompts import humaneval_messages
 from deepflash.bench.speed import SMOLLM2_135M, random_engine
 from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
+from deepflash.runtime import DEFAULT_DRAFTER
 
 
 def embedded_ab(description: str, arguments=lambda ap: None, prepare=lambda args: None):
@@ -38,7 +39,7 @@ def embedded_ab(description: str, arguments=lambda ap: None, prepare=lambda args
     else:
         target, tok = embedded_pair(args.device)
         prompts = [tok.chat(m) for m in humaneval_messages(args.prompts)]
-    drafter = load_drafter("deepflash/drafters/smollm2-135m", target.device, target.dtype)
+    drafter = load_drafter(DEFAULT_DRAFTER, target.device, target.dtype)
     return args, target, tok, prompts, drafter
 
 
