@@ -297,7 +297,8 @@ def test_worker_processes_make_the_same_prompts(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("bad,message", [(dict(steps=None), "give a budget"), (dict(eval_every=0), "--eval-every"),
-                                         (dict(ckpt_every=0), "--ckpt-every"), (dict(gamma=0.0), "--gamma")])
+                                         (dict(ckpt_every=0), "--ckpt-every"), (dict(gamma=0.0), "--gamma"),
+                                         (dict(ema=1.0), "--ema")])
 def test_training_settings_are_checked(bad, message):
     with pytest.raises(UserError, match=message):
         TrainConfig(**{"data": "d", "out": "o", "steps": 1, **bad}).validated()
@@ -520,6 +521,57 @@ def test_resume_continues_from_the_checkpoint(dataset, tmp_path):
     assert resumed.progress.step >= 5
     resumed.run()
     assert resumed.progress.step == 8
+
+
+def test_the_weight_average_follows_each_step_and_is_exported_beside_the_drafter(dataset, tmp_path, capsys):
+    """--ema: after each step average = decay * average + (1 - decay) * weights, from the first step's weights;
+    the run evaluates it and exports it as drafter-ema (train-drafter export --ema makes the same from the
+    checkpoint), each export's training.json has its own weights' evaluation, and --resume carries it on."""
+    from deepflash.train.shards import iter_batches
+
+    target, tok, data, _ = dataset
+    base = dict(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, anchors=16, lr=3e-3,
+                batch_tokens=200, eval_every=1000, ckpt_every=1000, eval_fraction=0.25, attention="sdpa",
+                mask_token_id=95, ema=0.75)
+    trainer = Trainer(TrainConfig(**dict(base, out=str(tmp_path / "by-hand")), steps=3), target, tok,
+                      torch.device("cpu"))
+    batches = [b for _ in range(3) for b in iter_batches(trainer.train_seqs, 200, trainer.generator)]
+    expected = None
+    for batch in batches[:3]:
+        trainer.step(batch)
+        weights = [p.detach().clone() for p in trainer.drafter.parameters()]
+        expected = weights if expected is None else [0.75 * e + 0.25 * w for e, w in zip(expected, weights)]
+    for got, want in zip(trainer.averaged.module.parameters(), expected):
+        torch.testing.assert_close(got, want)
+
+    run = Trainer(TrainConfig(**base, steps=3), target, tok, torch.device("cpu"))
+    folder = run.run()
+    averaged = folder.parent / "drafter-ema"
+    assert load_drafter(averaged).cfg == load_drafter(folder).cfg
+    assert (averaged / "model.safetensors").read_bytes() != (folder / "model.safetensors").read_bytes()
+    log = [json.loads(line) for line in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
+    assert log[-1]["weights"] == "ema" and "weights" not in log[-2] and log[-1]["step"] == log[-2]["step"] == 3
+    assert json.loads((folder / "training.json").read_text())["last_eval"] == log[-2]
+    assert json.loads((averaged / "training.json").read_text())["last_eval"] == log[-1]
+    assert main(["train-drafter", "export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "exported"),
+                 "--ema"]) == 0
+    assert (tmp_path / "exported" / "model.safetensors").read_bytes() == (averaged / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "exported" / "training.json").read_text())["last_eval"] == log[-1]
+
+    resumed = Trainer(TrainConfig(**base, steps=5, resume=True), target, tok, torch.device("cpu"))
+    assert int(resumed.averaged.n_averaged) == 3
+    for got, want in zip(resumed.averaged.module.parameters(), run.averaged.module.parameters()):
+        assert torch.equal(got, want)
+    resumed.run()
+    assert int(resumed.averaged.n_averaged) == 5
+    plain = dict(base, ema=0.0, out=str(tmp_path / "plain"))
+    Trainer(TrainConfig(**plain, steps=1), target, tok, torch.device("cpu")).run()
+    assert not (tmp_path / "plain" / "drafter-ema").exists()
+    assert main(["train-drafter", "export", "--run", str(tmp_path / "plain"), "--out", str(tmp_path / "x"),
+                 "--ema"]) == 2
+    assert "keeps no weight average" in capsys.readouterr().err
+    with pytest.raises(UserError, match="made without --ema"):
+        Trainer(TrainConfig(**dict(plain, ema=0.5), steps=2, resume=True), target, tok, torch.device("cpu"))
 
 
 def test_norm_gains_start_at_the_target_scale_never_decay_and_take_their_own_learning_rate(dataset, tmp_path):

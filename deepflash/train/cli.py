@@ -103,6 +103,9 @@ def register(sub) -> None:
                        help="the exported drafter's matrices: bf16 (the z-lab format), or int8 codes with a "
                             "scale per row, half the bytes (deepflash reads both); default: as the --init-from "
                             "drafter stores them, else bf16")
+    train.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                       help="also keep a moving average of the weights (e.g. 0.998: over about the last 500 steps) "
+                            "and export it as RUN/drafter-ema beside RUN/drafter (0: off)")
     train.set_defaults(func=cmd_train)
 
     export = steps.add_parser("export", help="export a run's latest checkpoint in the z-lab format")
@@ -110,6 +113,7 @@ def register(sub) -> None:
     export.add_argument("--out", required=True)
     export.add_argument("--storage", default="bf16", choices=list(STORAGES),
                         help="the exported matrices: bf16, or int8 rows (see train --storage)")
+    export.add_argument("--ema", action="store_true", help="export the weights' moving average (train --ema)")
     export.set_defaults(func=cmd_export)
 
 
@@ -203,7 +207,7 @@ def cmd_train(args) -> None:
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
                      attention_chunk=args.attention_chunk, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
-                     storage=args.storage, device=args.device).validated()  # before the target loads
+                     storage=args.storage, ema=args.ema, device=args.device).validated()  # before the target loads
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1:
@@ -230,10 +234,14 @@ def cmd_export(args) -> None:
         raise UserError(f"no checkpoint at {path}")
     state = torch.load(path, map_location="cpu", weights_only=False)
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["config"]))
-    drafter.load_state_dict(state["drafter"])
+    if args.ema and state.get("averaged") is None:
+        raise UserError(f"--ema: the run in {args.run} keeps no weight average (train --ema)")
+    # the average's state is AveragedModel's: the drafter's under "module." and its count of steps
+    drafter.load_state_dict({k.removeprefix("module."): v for k, v in state["averaged"].items()
+                             if k.startswith("module.")} if args.ema else state["drafter"])
     drafter = fold_feature_scale(drafter, state["feature_scale"])
     folder = save_drafter(drafter, args.out, storage=args.storage)
     # which step this is: an export made while the run trains (collect.sh arms) cannot tell otherwise
-    summary = {"checkpoint": str(path), **Progress(**state["progress"]).summary()}
+    summary = {"checkpoint": str(path), **Progress(**state["progress"]).summary("ema" if args.ema else None)}
     (folder / "training.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({"drafter": str(folder)}))

@@ -25,10 +25,17 @@ values are O(1) away from their start (the shipped drafter's q/k-norm gains move
 768 steps; its output norm sits at 0.93 where the target's own averages 1.8). A fresh drafter
 therefore starts its output norm at the target's final-norm gain, the gains never decay, and
 --norm-lr-scale lets them move faster than the matrices.
+
+Weight average (--ema DECAY): the trainer also keeps an exponential moving average of the weights,
+updated after every step (torch's AveragedModel), evaluates it at the end and exports it as
+RUN/drafter-ema beside RUN/drafter, so that a pick can weigh one against the other. A short run continued
+from a shipped drafter ends on its last steps' noise; the average over the last ~1 / (1 - DECAY) steps
+may accept more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -39,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import DrafterConfig, default_target_layer_ids
@@ -94,6 +102,7 @@ class TrainConfig:
     attention_chunk: int = 16  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
     storage: str | None = None  # the exported drafter's matrices: bf16 or int8 rows (drafter.save_drafter);
     # None: as the init_from drafter stores them, else bf16
+    ema: float = 0.0  # > 0: also keep the weights' moving average at this decay per step (module doc)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -124,6 +133,8 @@ class TrainConfig:
             raise UserError(f"--norm-lr-scale must be positive, got {self.norm_lr_scale}")
         if self.gamma is not None and self.gamma <= 0:
             raise UserError(f"--gamma must be positive, got {self.gamma}")
+        if not 0 <= self.ema < 1:
+            raise UserError(f"--ema must be in [0, 1), got {self.ema}")
         return self
 
 
@@ -136,10 +147,12 @@ class Progress:
     tokens: int = 0
     history: list[dict] = field(default_factory=list)
 
-    def summary(self) -> dict:
-        """What an exported drafter's training.json says of the run's progress."""
-        return {"steps": self.step, "tokens": self.tokens, "elapsed_s": round(self.elapsed, 1),
-                "last_eval": self.history[-1] if self.history else None}
+    def summary(self, weights: str | None = None) -> dict:
+        """What an exported drafter's training.json says of the run's progress: its last evaluation of
+        those weights (the run's own, or "ema": their average)."""
+        evaluations = [r for r in self.history if r.get("weights") == weights]
+        return {**({"weights": weights} if weights else {}), "steps": self.step, "tokens": self.tokens, "elapsed_s": round(self.elapsed, 1),
+                "last_eval": evaluations[-1] if evaluations else None}
 
 
 def pick_mask_token(tokenizer, stop_ids: frozenset[int]) -> int:
@@ -368,6 +381,7 @@ class Trainer:
         self.feature_scale = self._measure_feature_scale(self.train_seqs[:16])
         if start is not None:
             self._load_exported(start)
+        self.averaged = AveragedModel(self.drafter, multi_avg_fn=get_ema_multi_avg_fn(tc.ema)) if tc.ema else None
         self.train_seqs = self.train_seqs[self.group.rank::self.group.world] or self.train_seqs
         self.generator = torch.Generator().manual_seed(tc.seed + 1 + self.group.rank)
         self.attention = self._choose_attention()
@@ -375,7 +389,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         if tc.resume:
             self._load_checkpoint()
-        self.group.share([*self.drafter.parameters(), self.feature_scale])  # every replica starts alike
+        # every replica starts alike
+        self.group.share([*self.drafter.parameters(), self.feature_scale, *self._averaged_state()])
         self.started = time.perf_counter() - self.progress.elapsed  # the budget's wall-clock origin
         self.clock = self.fraction_done()  # the budget share all workers agree on (parallel.py)
         self.finished = self.clock >= 1.0
@@ -568,6 +583,8 @@ class Trainer:
             group["lr"] = self.lr_now() * group["lr_scale"]
         norm = torch.nn.utils.clip_grad_norm_(params, self.tc.grad_clip)
         self.opt.step()
+        if self.averaged is not None:
+            self.averaged.update_parameters(self.drafter)
         # reading the values waits for the step's GPU work, so that tok/s times it, not just its launch
         loss, accept, norm = float(loss), [round(float(a), 4) for a in accept], float(norm)
         p = self.progress
@@ -637,25 +654,48 @@ class Trainer:
                         break
         if lead:
             self._log_eval(log)
+            if self.averaged is not None:  # the average's own evaluation, for its export
+                with self._drafter(self.averaged.module):
+                    self._log_eval(log, weights="ema")
             self._save_checkpoint()
             log.close()
             self.export(self.out / "drafter")
+            if self.averaged is not None:
+                self.export(self.out / "drafter-ema", weights="ema")
         # after the export, so that a drift (a bug, never seen) fails the run without losing the lead's drafter
         self.group.check_replicas(list(self.drafter.parameters()))
         return self.out / "drafter"
 
-    def _log_eval(self, log) -> None:
-        record = {"step": self.progress.step, **self.evaluate()}
+    def _log_eval(self, log, weights: str | None = None) -> None:
+        """Evaluate, log and keep the record (Progress.summary); weights names the ones evaluated when they
+        are not the run's own ("ema")."""
+        record = {"step": self.progress.step, **({"weights": weights} if weights else {}), **self.evaluate()}
         self.progress.history.append(record)
         log.write(json.dumps(record) + "\n")
         log.flush()
-        stderr.print(f"step {record['step']}: eval loss {record['eval_loss']:.3f}, "
+        which = f" ({weights})" if weights else ""
+        stderr.print(f"step {record['step']}{which}: eval loss {record['eval_loss']:.3f}, "
                      f"accept@1 {record['eval_accept'][0]:.3f}, AL {record['eval_al']}")
 
-    def export(self, folder: Path) -> Path:
-        save_drafter(fold_feature_scale(self.drafter, self.feature_scale), folder, dtype=torch.bfloat16,
+    @contextlib.contextmanager
+    def _drafter(self, drafter: DFlashDrafter):
+        """Another drafter in the run's place (the weight average, for evaluate), the run's own restored after."""
+        own, self.drafter = self.drafter, drafter
+        try:
+            yield
+        finally:
+            self.drafter = own
+
+    def _averaged_state(self) -> list[torch.Tensor]:
+        """The weight average's tensors (its weights and its count of averaged steps), if one is kept."""
+        return [*self.averaged.parameters(), self.averaged.n_averaged] if self.averaged is not None else []
+
+    def export(self, folder: Path, weights: str | None = None) -> Path:
+        """The run's drafter, or with weights="ema" its weight average, in the z-lab format."""
+        drafter = self.averaged.module if weights == "ema" else self.drafter
+        save_drafter(fold_feature_scale(drafter, self.feature_scale), folder, dtype=torch.bfloat16,
                      storage=self.storage)
-        summary = {"train_config": asdict(self.tc), **self.progress.summary(), "data": self.data_counts()}
+        summary = {"train_config": asdict(self.tc), **self.progress.summary(weights), "data": self.data_counts()}
         (folder / "training.json").write_text(json.dumps(summary, indent=2, default=str))
         return folder
 
@@ -674,6 +714,7 @@ class Trainer:
         torch.save({"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                     "progress": asdict(self.progress), "config": self.cfg.to_hf(),
                     "feature_scale": self.feature_scale,
+                    "averaged": self.averaged.state_dict() if self.averaged is not None else None,
                     "generator": self.generator.get_state()}, tmp)
         tmp.replace(path)
 
@@ -687,6 +728,10 @@ class Trainer:
             raise UserError(f"--resume: the checkpoint in {path} was made with a different drafter config")
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
+        if self.averaged is not None:
+            if state.get("averaged") is None:
+                raise UserError(f"--resume --ema: the checkpoint in {path} was made without --ema")
+            self.averaged.load_state_dict(state["averaged"])
         self.progress = Progress(**state["progress"])
         self.feature_scale = state["feature_scale"].to(self.device)
         if self.group.lead:  # the checkpoint holds the lead's draws; the others continue on fresh ones

@@ -71,3 +71,5 @@ train_run() {  # train_run OUT DATA [EXTRA ARGS...]
 stage train train_run $RUN ${ARM_DATA[a]} ${TRAIN_EXTRA:-}
 wait
 CANDIDATES="$RUN/drafter ${TRAIN_B:+$RUN-b/drafter}"
+# an arm trained with --ema (TRAIN_EXTRA, TRAIN_B) also exported its weight average: pick weighs it too
+for averaged in $RUN/drafter-ema $RUN-b/drafter-ema; do [ -d $averaged ] && CANDIDATES="$CANDIDATES $averaged"; done
