@@ -60,9 +60,16 @@ class FeatureRing:
         self.data = torch.zeros((self.capacity, *fmt.row_shape(width)), dtype=fmt.storage_dtype(), device=device)
         self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
         # rows are stored times a per-channel scale and read back times its inverse (storage_scale:
-        # powers of two, so both multiplications are exact and only the format's own rounding remains)
-        self.scale = None if channel_scale is None else channel_scale.to(device, torch.float32)
-        self.inverse = None if channel_scale is None else self.scale.reciprocal()
+        # powers of two, so both multiplications are exact and only the format's own rounding remains),
+        # both held in bf16, exact for powers of two: the Triton kernels load them for every row they
+        # encode or decode, and the scaled q4_0 write was the one under issue 4's 70% of the copy bandwidth
+        self.scale = self.inverse = None
+        if channel_scale is not None:
+            self.scale = channel_scale.to(device, torch.bfloat16)
+            if not torch.equal(self.scale.float(), channel_scale.to(device, torch.float32)):
+                raise ValueError("a ring's channel scales must be exact in bfloat16, as storage_scale's powers "
+                                 "of two are")
+            self.inverse = self.scale.reciprocal()
         self._store, self._decode = store_and_decode(kernels, fmt)
 
     @property

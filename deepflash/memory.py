@@ -72,8 +72,8 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         parts["rope tables"] += drafter.rotary.table_bytes(cfg.max_position_embeddings, drafter.dtype)
         slots = window + block  # a verify block's spare slots (features.FeatureRing)
         parts["target feature ring"] = slots * (ring_row + TAG_BYTES)
-        # block formats also keep the per-channel storage scale and its inverse (features.storage_scale)
-        scales = 2 * width * 4 if row_format(feature_dtype).dtype is None else 0
+        # block formats also keep the per-channel storage scale and its inverse in bf16 (features.storage_scale)
+        scales = 2 * width * 2 if row_format(feature_dtype).dtype is None else 0
         parts["drafter mirror"] = 0 if same else slots * (mirror_row + TAG_BYTES) + scales
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES

@@ -12,9 +12,10 @@ dequantize 15% faster on the H200, twenty-second session). With SCALED, a write 
 per-channel scale as it loads them and a decode multiplies by its inverse (features.storage_scale). A
 program's work items are the same columns of ITEMS consecutive rows, so it loads that scale once for
 all of them.
-Loaded per value (4 bytes next to q4_0's 0.56), the scaled dequantize measured 0.50-0.52 of the copy
-bandwidth where the tenth session's unscaled one had reached 0.84-0.89, part of that gap run-to-run
-noise (fourteenth session). `bench rings` times both, and with `--triton-shapes` shapes whose ITEMS > 1
+Loaded per value (4 bytes as float32 next to q4_0's 0.56), the scaled dequantize measured 0.50-0.52 of
+the copy bandwidth where the tenth session's unscaled one had reached 0.84-0.89, part of that gap
+run-to-run noise (fourteenth session); rings now hold the scale in bf16 (2 bytes, exact for its powers
+of two; its effect on the H200 not measured yet). `bench rings` times both, and with `--triton-shapes` shapes whose ITEMS > 1
 share the scale.
 
 A block format's write was bound by instructions, not memory (a q8_0 block took ~37 warp instructions
@@ -102,7 +103,7 @@ def available() -> bool:
 
 def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
           rows: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-    """Encode rows [n, width] (times `scale` [width], float32, if given) and store them at slot =
+    """Encode rows [n, width] (times `scale` [width], bf16 or float32, if given) and store them at slot =
     position % capacity, tags included."""
     n, width = rows.shape
     rows = rows.contiguous()
@@ -113,8 +114,8 @@ def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: tor
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32,
            inverse: torch.Tensor | None = None) -> torch.Tensor:
-    """Stored rows [n, row elements] -> values [n, width] (times `inverse` [width], float32, if given)
-    in dtype."""
+    """Stored rows [n, row elements] -> values [n, width] in dtype (times `inverse` [width], bf16 or
+    float32, if given)."""
     width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
@@ -175,10 +176,11 @@ if triton is not None:
 
     @triton.jit
     def _scale_of(scale, cols, inside, SCALED: tl.constexpr):
-        """The per-channel scale at cols (loaded once per program, for all its rows), or 1."""
+        """The per-channel scale at cols (loaded once per program, for all its rows; stored as bf16, exact for
+        the powers of two features.storage_scale makes), or 1."""
         # an else, not a fall-through: compiled (unlike interpreted) Triton types both returns alike
         if SCALED:
-            return tl.load(scale + cols, mask=inside, other=0.0)
+            return tl.load(scale + cols, mask=inside, other=0.0).to(tl.float32)
         else:
             return 1.0
 

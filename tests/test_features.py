@@ -173,7 +173,9 @@ def test_scaled_block_storage_keeps_what_fc_reads(fmt, gain):
     assert errors[True] * gain < errors[False], errors
     scale = storage_scale(weight)
     f = row_format(fmt)
-    assert torch.equal(y, f.decode(f.encode(x * scale)) / scale)
+    assert torch.equal(y, f.decode(f.encode(x * scale)) / scale)  # the ring's bf16 scales are these float32 ones
+    with pytest.raises(ValueError, match="exact in bfloat16"):
+        FeatureRing(16, x.shape[1], f, "cpu", channel_scale=torch.full((x.shape[1],), 0.3))
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_0"])
