@@ -21,8 +21,8 @@ from deepflash.train.masks import default_gamma, loss_weights, training_mask, tr
 from deepflash.errors import UserError
 from deepflash.train.prompts import SHORT_TASKS, Task, parse_task_weights, short_task
 from deepflash.train.shards import Sequence, read_all, split_held_out
-from deepflash.train.trainer import (TrainConfig, Trainer, acceptance_by_position, accepted_drafts, block_loss,
-                                     fold_feature_scale, walked_acceptance)
+from deepflash.train.loss import acceptance_by_position, accepted_drafts, block_loss, walked_acceptance
+from deepflash.train.trainer import TrainConfig, Trainer, fold_feature_scale
 from helpers import DOCTEST, site_packages, tiny_target, tiny_tokenizer
 
 
@@ -696,7 +696,7 @@ def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_pa
 def test_distillation_reads_the_target_distribution_that_predicts_each_label(dataset, tmp_path):
     """--distill: the teacher of the token at p is the target's output at p - 1 (no shift either way),
     and its KL loss is CE minus the target's entropy, per label."""
-    from deepflash.train.trainer import _head_loss
+    from deepflash.train.loss import _head_loss
 
     target, tok, data, _ = dataset
     trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=1, taps=2, block_size=4, steps=1,
@@ -723,7 +723,7 @@ def test_distillation_reads_the_target_distribution_that_predicts_each_label(dat
 def test_distillation_teachers_predict_the_labels_of_greedy_data(tmp_path):
     """On responses the target wrote greedily, the teacher distribution of every label has that label
     as its argmax: labels and teachers line up (a shift by one position either way breaks this)."""
-    from deepflash.train.trainer import labelled, teacher_states
+    from deepflash.train.loss import labelled, teacher_states
 
     target, tok = tiny_target(dtype=torch.float32), tiny_tokenizer()
     tasks = [Task("test", "x", [{"role": "user", "content": " ".join(f"w{i}" for i in range(5, 5 + n))}])
