@@ -532,14 +532,14 @@ class Trainer:
                         break
         if lead:
             self._log_eval(log)
-            if self.averaged is not None:  # the average's own evaluation, for its export
+            self._save_checkpoint()
+            self.export(self.out / "drafter")
+            if self.averaged is not None:  # after the run's own export, which nothing here can then cost
                 with self._drafter(self.averaged.module):
                     self._log_eval(log, weights="ema")
-            self._save_checkpoint()
-            log.close()
-            self.export(self.out / "drafter")
-            if self.averaged is not None:
+                self._save_checkpoint()  # again, with the average's evaluation (train-drafter export --ema)
                 self.export(self.out / "drafter-ema", weights="ema")
+            log.close()
         # after the export, so that a drift (a bug, never seen) fails the run without losing the lead's drafter
         self.group.check_replicas(list(self.drafter.parameters()))
         return self.out / "drafter"
