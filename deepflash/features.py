@@ -65,8 +65,9 @@ class FeatureRing:
         # encode or decode, and the scaled q4_0 write was the one under issue 4's 70% of the copy bandwidth
         self.scale = self.inverse = None
         if channel_scale is not None:
-            self.scale = channel_scale.to(device, torch.bfloat16)
-            if not torch.equal(self.scale.float(), channel_scale.to(device, torch.float32)):
+            exact = channel_scale.to(device, torch.float32)
+            self.scale = exact.to(torch.bfloat16)
+            if not torch.equal(self.scale.float(), exact):
                 raise ValueError("a ring's channel scales must be exact in bfloat16, as storage_scale's powers "
                                  "of two are")
             self.inverse = self.scale.reciprocal()

@@ -227,18 +227,17 @@ def cmd_export(args) -> None:
 
     from ..config import DrafterConfig
     from ..drafter import DFlashDrafter, save_drafter
-    from .trainer import Progress, fold_feature_scale
+    from .trainer import Progress, fold_feature_scale, saved_weights
 
     path = Path(args.run) / "checkpoint.pt"
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}")
     state = torch.load(path, map_location="cpu", weights_only=False)
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["config"]))
-    if args.ema and state.get("averaged") is None:
+    weights = saved_weights(state, averaged=args.ema)
+    if weights is None:
         raise UserError(f"--ema: the run in {args.run} keeps no weight average (train --ema)")
-    # the average's state is AveragedModel's: the drafter's under "module." and its count of steps
-    drafter.load_state_dict({k.removeprefix("module."): v for k, v in state["averaged"].items()
-                             if k.startswith("module.")} if args.ema else state["drafter"])
+    drafter.load_state_dict(weights)
     drafter = fold_feature_scale(drafter, state["feature_scale"])
     folder = save_drafter(drafter, args.out, storage=args.storage)
     # which step this is: an export made while the run trains (collect.sh arms) cannot tell otherwise

@@ -149,8 +149,8 @@ class Progress:
         """What an exported drafter's training.json says of the run's progress: its last evaluation of
         those weights (the run's own, or "ema": their average)."""
         evaluations = [r for r in self.history if r.get("weights") == weights]
-        return {**({"weights": weights} if weights else {}), "steps": self.step, "tokens": self.tokens, "elapsed_s": round(self.elapsed, 1),
-                "last_eval": evaluations[-1] if evaluations else None}
+        return {**({"weights": weights} if weights else {}), "steps": self.step, "tokens": self.tokens,
+                "elapsed_s": round(self.elapsed, 1), "last_eval": evaluations[-1] if evaluations else None}
 
 
 def pick_mask_token(tokenizer, stop_ids: frozenset[int]) -> int:
@@ -208,6 +208,16 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
     if candidates.numel() > count:
         candidates = candidates[torch.randperm(candidates.numel(), generator=generator)[:count]].sort().values
     return candidates
+
+
+def saved_weights(state: dict, averaged: bool = False) -> dict[str, torch.Tensor] | None:
+    """A checkpoint's drafter weights (Trainer._save_checkpoint): the run's own, or its weight average, which
+    AveragedModel keeps under "module." beside its count of steps (None if the run kept none)."""
+    if not averaged:
+        return state["drafter"]
+    if state.get("averaged") is None:
+        return None
+    return {k.removeprefix("module."): v for k, v in state["averaged"].items() if k.startswith("module.")}
 
 
 def output_norm_gain(target) -> torch.Tensor:
