@@ -758,17 +758,19 @@ def test_distillation_trains_a_working_drafter(dataset, tmp_path):
 
 def test_data_parallel_workers_train_one_drafter(dataset, tmp_path):
     """--workers 2 on the CPU (gloo): the workers end on the same step with identical replicas (the run
-    raises otherwise), and the lead's export keeps the greedy contract."""
+    raises otherwise), and the lead's export keeps the greedy contract; with --ema the workers share the
+    weight average's start (its CPU step count too, which NCCL carries from the GPU) and the lead exports it."""
     from deepflash.train.parallel import train
     from helpers import tiny_target_and_tokenizer
 
     target, tok, data, _ = dataset
     tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, anchors=16, steps=6,
                      lr=3e-3, batch_tokens=200, eval_every=1000, ckpt_every=1000, log_every=1, attention="sdpa",
-                     mask_token_id=95)
+                     mask_token_id=95, ema=0.5)
     folder = train(2, tc, tiny_target_and_tokenizer, torch.device("cpu"))
     log = [json.loads(line) for line in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert load_drafter(tmp_path / "run" / "drafter-ema").cfg == load_drafter(folder).cfg
     prompt, params = [5, 9, 22, 31], SamplingParams(max_new_tokens=12)
     spec = Engine(target, tok, load_drafter(folder), spec="on").complete(prompt, params)
     assert spec.token_ids == Engine(target, tok).complete(prompt, params).token_ids

@@ -38,7 +38,7 @@ class Group:
         """Give every worker the lead worker's values (the drafter's start, the feature scale)."""
         if self.world > 1:
             for t in tensors:
-                shared = t.detach().cpu() if dist.get_backend() == "gloo" else t.data
+                shared = self._carried(t.detach())
                 dist.broadcast(shared, 0)
                 t.data.copy_(shared)
 
@@ -66,12 +66,20 @@ class Group:
         if not torch.equal(low, high):
             raise RuntimeError("data-parallel training: the drafter replicas differ between workers")
 
-    @staticmethod
-    def _reduced(tensor: torch.Tensor, op) -> torch.Tensor:
-        """An all-reduced copy, on the CPU under gloo (its GPU support does not cover every operation)."""
-        tensor = tensor.to("cpu", copy=True) if dist.get_backend() == "gloo" else tensor.clone()
+    @classmethod
+    def _reduced(cls, tensor: torch.Tensor, op) -> torch.Tensor:
+        """An all-reduced copy."""
+        tensor = cls._carried(tensor, copy=True)
         dist.all_reduce(tensor, op=op)
         return tensor
+
+    @staticmethod
+    def _carried(tensor: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """The tensor where the backend carries it: on the CPU under gloo (its GPU support does not cover
+        every operation), on this worker's GPU under NCCL, which carries no CPU tensors (AveragedModel keeps
+        the weight average's step count on the CPU)."""
+        on_cpu = dist.get_backend() == "gloo"
+        return tensor.to("cpu" if on_cpu else torch.device("cuda", torch.cuda.current_device()), copy=copy)
 
 
 def worker_device(rank: int, device: torch.device) -> torch.device:
