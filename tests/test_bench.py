@@ -121,6 +121,7 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
     monkeypatch.setattr(accept, "load_runtime", lambda cfg: runtime)
     monkeypatch.setattr(accept, "humaneval_messages", lambda n: [[{"role": "user", "content": "w5 w6"}]])
     monkeypatch.setattr(accept, "depth_prompts", lambda tok, depth, n: [[5, 6, 7, 8]])
+    monkeypatch.setattr(accept, "recall_prompts", lambda tok, depth, distance, n: [[5, 6, 7, 8, 9, 5, 6]])
 
     def engine(*args, feature_dtype="f32", **kwargs):
         if feature_dtype == "q8_0":
@@ -130,9 +131,29 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
     monkeypatch.setattr(accept, "Engine", engine)
     out = tmp_path / "accept.json"
     args = argparse.Namespace(plot=None, device="cpu", model=None, draft=None, humaneval=1, max_new_tokens=4,
-                              depths="64", per_depth=1, out=str(out))
+                              depths="64", per_depth=1, recall="7:5", out=str(out))
     with pytest.raises(RuntimeError, match="compile"):
         accept.run(args)
     saved = json.loads(out.read_text())
     assert set(saved["humaneval"]) == {"T=0", "T=1"} and set(saved["depth"]) == {"full", "4096", "2048"}
+    assert saved["recall"]["distance"] == 5 and saved["recall"]["4096"]["7"]["prompts"] == 1
     assert "dtype" not in saved
+
+
+def test_recall_prompts_repeat_a_modules_opening_after_it():
+    """A recall prompt is a module's first DISTANCE tokens, then its first DEPTH - DISTANCE again: the
+    continuation's source lies DISTANCE tokens back. --recall asks for a repeat that ends inside the source."""
+    from types import SimpleNamespace
+
+    from deepflash.bench.accept import _recall_shape
+    from deepflash.bench.prompts import recall_prompts
+
+    tok = SimpleNamespace(encode=lambda text: [ord(c) for c in text])
+    prompts = recall_prompts(tok, 3000, 2000, 3)
+    assert len(prompts) == 3 and len({tuple(p) for p in prompts}) == 3
+    for ids in prompts:
+        assert len(ids) == 3000 and ids[2000:] == ids[:1000]
+    assert _recall_shape("7500:4500") == (7500, 4500)
+    for bad in ("7500", "7500:3000", "7500:7500", "a:b"):
+        with pytest.raises(UserError, match="--recall"):
+            _recall_shape(bad)

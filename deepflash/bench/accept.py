@@ -3,7 +3,8 @@
 1. HumanEval (164 prompts as chat requests), T=0 and T=1: AL, histogram, per-position acceptance, tok/s
    against our plain decode.
 2. Depth sweep: code-editing prompts of 1K..7.5K tokens whose answers copy text near the start, with
-   the feature window at the full trained window, capped at 4096 and at 2048.
+   the feature window at the full trained window, capped at 4096 and at 2048; the same windows on recall
+   prompts (a module's opening, then that opening again: the target's continuation copies from far back).
 3. Feature storage dtype sweep (f32, bf16, q8_0, q4_0) on the same prompts, full window.
 """
 
@@ -21,7 +22,7 @@ from ..runtime import load_runtime, resolve_device
 from ..sampling import SamplingParams
 from ..stats import SpecStats
 from .common import environment, finish, save, table
-from .prompts import depth_prompts, humaneval_messages
+from .prompts import depth_prompts, humaneval_messages, recall_prompts
 
 
 def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeded: bool = False,
@@ -137,21 +138,20 @@ def run(args) -> dict:
     depths = [int(d) for d in args.depths.split(",")]
     prompts = {d: depth_prompts(tok, d, args.per_depth) for d in depths}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    windows = {"full": None, "4096": 4096, "2048": 2048}
-    record["depth"] = {name: {} for name in windows}
-    # the sweeps below compare acceptance, not speed: one pass each (their tok/s includes first uses)
-    for name, cap in windows.items():
-        engine = Engine(target, tok, drafter, spec="on", feat_ring_cap=cap)
-        for d in depths:
-            stats, outputs = measure(engine, prompts[d], params, warm_up=False)
-            record["depth"][name][d] = stats | {"window": engine.window}
-            if cap is not None:  # greedy: every window's outputs are the target's own
-                record["depth"][name][d]["copied_from_beyond_window"] = copied_from_beyond(prompts[d], outputs, cap)
-                record["depth"][name][d]["vs"] = paired_change(record["depth"]["full"][d], stats)
+    record["depth"] = window_sweep(target, tok, drafter, prompts, params)
     table("AL by depth and feature window (a cap: change against the full window [95% interval over prompts], "
-          "share of the target's 6-grams copied from beyond the cap)", ["depth"] + list(windows),
-          [[d] + [_with_reach(record["depth"][w][d]) for w in windows] for d in depths])
+          "share of the target's 6-grams copied from beyond the cap)", ["depth"] + list(WINDOWS),
+          [[d] + [_with_reach(record["depth"][w][d]) for w in WINDOWS] for d in depths])
     save(record, args.out)
+
+    if args.recall:
+        depth, distance = _recall_shape(args.recall)
+        recall = {depth: recall_prompts(tok, depth, distance, args.per_depth)}
+        record["recall"] = {"distance": distance} | window_sweep(target, tok, drafter, recall, params)
+        table(f"AL on recall prompts (raw text whose continuation the module holds {distance} tokens back), by "
+              "feature window", ["depth"] + list(WINDOWS), [[depth] + [_with_reach(record["recall"][w][depth])
+                                                                     for w in WINDOWS]])
+        save(record, args.out)
 
     record["dtype"] = {}
     for fmt in ("f32", "bf16", "q8_0", "q4_0"):
@@ -165,6 +165,38 @@ def run(args) -> dict:
     if args.plot:
         plot(record, args.plot)
     return finish(record, args.out)
+
+
+WINDOWS = {"full": None, "4096": 4096, "2048": 2048}
+
+
+def window_sweep(target, tok, drafter, prompts: dict[int, list[list[int]]], params: SamplingParams) -> dict:
+    """Each prompt set's acceptance with the feature window at the full trained window and capped
+    (WINDOWS); a cap's rows carry their change against the full window and the share of the target's
+    6-grams copied from beyond the cap. One pass each: this compares acceptance, not speed (tok/s
+    includes first uses)."""
+    record = {name: {} for name in WINDOWS}
+    for name, cap in WINDOWS.items():
+        engine = Engine(target, tok, drafter, spec="on", feat_ring_cap=cap)
+        for key, ids in prompts.items():
+            stats, outputs = measure(engine, ids, params, warm_up=False)
+            record[name][key] = stats | {"window": engine.window}
+            if cap is not None:  # greedy: every window's outputs are the target's own
+                record[name][key]["copied_from_beyond_window"] = copied_from_beyond(ids, outputs, cap)
+                record[name][key]["vs"] = paired_change(record["full"][key], stats)
+    return record
+
+
+def _recall_shape(spec: str) -> tuple[int, int]:
+    """--recall DEPTH:DISTANCE -> (depth, distance); the repeat must end before its source does."""
+    try:
+        depth, distance = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise UserError(f"--recall wants DEPTH:DISTANCE in tokens (e.g. 7500:4500), got {spec!r}") from None
+    if not 0 < depth - distance < distance:
+        raise UserError(f"--recall {spec}: DISTANCE must be under DEPTH and over half of it (the repeated opening, "
+                        "DEPTH - DISTANCE tokens, must end before the first copy does)")
+    return depth, distance
 
 
 def plot(record: dict, path: str) -> None:
@@ -209,6 +241,9 @@ def register(sub) -> None:
     p.add_argument("--humaneval", type=int, help="limit the number of HumanEval prompts (default: all 164)")
     p.add_argument("--depths", default="1024,2048,4096,6144,7500")
     p.add_argument("--per-depth", type=int, default=4)
+    p.add_argument("--recall", default="7500:4500", metavar="DEPTH:DISTANCE",
+                   help="also sweep the windows on raw recall prompts of DEPTH tokens that repeat a module's "
+                        "opening DISTANCE tokens after it ('' to skip)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--out", help="JSON file")
     p.add_argument("--plot", help="PNG file")

