@@ -283,6 +283,31 @@ def test_function_offset_gives_new_doctest_and_write_requests_from_the_same_file
     assert names == {0: {"double0", "double1"}, 1: {"double2", "double3"}, 2: {"double4"}}
 
 
+def test_recall_fraction_adds_raw_prompts_that_repeat_a_modules_opening(tmp_path, monkeypatch):
+    """A share of the tasks is raw text, no chat: a module's opening (a quarter to two thirds of
+    max_long_chars), then a prefix of it again, both cut at a line end, at most max_long_chars in all; the
+    rest are the prompts the same seed gives without that share. Datagen tokenizes them as they are."""
+    from deepflash.train.datagen import prompt_ids
+
+    body = "".join(f"def f{j}(x):\n    y = x + {j}\n    z = y\n    w = z\n    return w\n\n" for j in range(300))
+    prompts = site_packages(tmp_path, monkeypatch, lambda i: body)
+    before = prompts.training_tasks(12, long_fraction=0.0, seed=3)
+    mixed = prompts.training_tasks(12, long_fraction=0.0, seed=3, recall_fraction=0.25, max_long_chars=8000)
+    recalls = [t for t in mixed if t.kind == "recall"]
+    assert len(mixed) == 12 and len(recalls) == 3 and len({t.text for t in recalls}) > 1
+    for task in recalls:
+        cut = task.text.index("def f0(", 1)
+        first, again = task.text[:cut], task.text[cut:]
+        assert task.messages == [] and first.startswith(again) and again.endswith("\n")
+        assert 1900 <= len(first) <= 8000 * 2 // 3 and len(task.text) <= 8000
+    assert [t.messages for t in mixed if t.kind != "recall"] == [t.messages for t in before[:9]]
+    tok = tiny_tokenizer()
+    chat = Task("test", "x", [{"role": "user", "content": "w5 w6"}])
+    raw = Task("recall", "x", [], text="w7 w8 w7")
+    assert prompt_ids(tok, [chat, raw, chat]) == [tok.chat(chat.messages), tok.encode("w7 w8 w7"),
+                                                  tok.chat(chat.messages)]
+
+
 def test_worker_processes_make_the_same_prompts(tmp_path, monkeypatch):
     """Each file's tasks depend on the file and the seed alone, so prompts made in two spawned processes
     equal those made in this one, in order, and asking for more tasks keeps the first ones."""

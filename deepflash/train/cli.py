@@ -36,6 +36,9 @@ def register(sub) -> None:
     gen.add_argument("--write-fraction", type=float, default=0.0,
                      help="share of requests to write a library function from its signature and docstring summary "
                           "(answered as HumanEval is: code, then prose)")
+    gen.add_argument("--recall-fraction", type=float, default=0.0,
+                     help="share of raw prompts that repeat a module's opening after it, so that the target's "
+                          "continuation copies from thousands of tokens back")
     gen.add_argument("--exercise-fraction", type=float, default=0.0,
                      help="share of --count made of exercises the target writes itself (a signature and docstring "
                           "per topic), asked back as 'complete' requests; the other shares apply to the rest")
@@ -147,14 +150,14 @@ def cmd_generate(args) -> None:
 
     weights = parse_task_weights(args.task_weights)  # before loading the model: a typo fails at once
     for flag, share in (("--doctest-fraction", args.doctest_fraction), ("--write-fraction", args.write_fraction),
-                        ("--exercise-fraction", args.exercise_fraction)):
+                        ("--recall-fraction", args.recall_fraction), ("--exercise-fraction", args.exercise_fraction)):
         if not 0 <= share <= 1:
             raise UserError(f"{flag} must be between 0 and 1, got {share}")
     if args.function_offset < 0:
         raise UserError(f"--function-offset must be 0 or more, got {args.function_offset}")
-    if args.doctest_fraction + args.write_fraction > 1:
-        raise UserError(f"--doctest-fraction and --write-fraction add up to more than 1 "
-                        f"({args.doctest_fraction} + {args.write_fraction})")
+    if args.doctest_fraction + args.write_fraction + args.recall_fraction > 1:
+        raise UserError(f"--doctest-fraction, --write-fraction and --recall-fraction add up to more than 1 "
+                        f"({args.doctest_fraction} + {args.write_fraction} + {args.recall_fraction})")
     if args.prompt_workers < 0:
         raise UserError(f"--prompt-workers must be 0 (one per CPU) or more, got {args.prompt_workers}")
     exercises = round(args.count * args.exercise_fraction)
@@ -187,10 +190,11 @@ def _source_tasks(args, count: int, weights) -> list:
         return []
     tasks = training_tasks(count, args.long_fraction, args.seed, weights=weights,
                            doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
-                           function_offset=args.function_offset, workers=args.prompt_workers)
+                           recall_fraction=args.recall_fraction, function_offset=args.function_offset, workers=args.prompt_workers)
     if len(tasks) < count:  # said, not silent: the data is smaller than asked for
         print(f"deepflash: warning: {len(tasks)} prompts from the sources for {count} asked: the files ran out of "
-              "functions for the doctest or write share (lower it, or --function-offset)", file=sys.stderr)
+              "functions for the doctest or write share (lower it, or --function-offset), or of modules long enough "
+              "for the recall share", file=sys.stderr)
     return tasks
 
 

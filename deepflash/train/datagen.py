@@ -94,7 +94,7 @@ def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_to
     stop_ids = tokenizer.stop_ids(target.cfg.eos_token_ids)
     started = time.perf_counter()
     items = []
-    for ids in tokenizer.chats([task.messages for task in tasks]):
+    for ids in prompt_ids(tokenizer, tasks):
         if len(ids) + 16 <= max_len:
             items.append((ids, rng.random() < sampled_fraction, rng.getrandbits(31)))
     before = (seconds or {}) | {"tokenize": time.perf_counter() - started}
@@ -132,6 +132,13 @@ def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_to
                "seconds": {name: round(s, 3) for name, s in seconds.items()}}
     (out / "summary.json").write_text(json.dumps(summary | meta, indent=2))
     return summary
+
+
+def prompt_ids(tokenizer, tasks: list[Task]) -> list[list[int]]:
+    """Each task's prompt tokens: its chat in the serving template (one batched call for them all), or its
+    raw text as it is (recall tasks)."""
+    chats = iter(tokenizer.chats([task.messages for task in tasks if task.text is None]))
+    return [tokenizer.encode(task.text) if task.text is not None else next(chats) for task in tasks]
 
 
 def _batches(items, max_new: int, max_len: int, batch_tokens: int, max_batch: int):

