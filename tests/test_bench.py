@@ -131,18 +131,19 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
     monkeypatch.setattr(accept, "Engine", engine)
     out = tmp_path / "accept.json"
     args = argparse.Namespace(plot=None, device="cpu", model=None, draft=None, humaneval=1, max_new_tokens=4,
-                              depths="64", per_depth=1, recall="7:5", out=str(out))
+                              depths="64", per_depth=1, recall="12:8", out=str(out))
     with pytest.raises(RuntimeError, match="compile"):
         accept.run(args)
     saved = json.loads(out.read_text())
     assert set(saved["humaneval"]) == {"T=0", "T=1"} and set(saved["depth"]) == {"full", "4096", "2048"}
-    assert saved["recall"]["distance"] == 5 and saved["recall"]["4096"]["7"]["prompts"] == 1
+    assert saved["recall"]["distance"] == 8 and saved["recall"]["4096"]["12"]["prompts"] == 1
     assert "dtype" not in saved
 
 
 def test_recall_prompts_repeat_a_modules_opening_after_it():
     """A recall prompt is a module's first DISTANCE tokens, then its first DEPTH - DISTANCE again: the
-    continuation's source lies DISTANCE tokens back. --recall asks for a repeat that ends inside the source."""
+    continuation's source lies DISTANCE tokens back. --recall asks for a repeat that ends at least the new
+    tokens before the source does."""
     from types import SimpleNamespace
 
     from deepflash.bench.accept import _recall_shape
@@ -153,7 +154,7 @@ def test_recall_prompts_repeat_a_modules_opening_after_it():
     assert len(prompts) == 3 and len({tuple(p) for p in prompts}) == 3
     for ids in prompts:
         assert len(ids) == 3000 and ids[2000:] == ids[:1000]
-    assert _recall_shape("7500:4500") == (7500, 4500)
-    for bad in ("7500", "7500:3000", "7500:7500", "a:b"):
+    assert _recall_shape("7500:4500", 128) == (7500, 4500) and _recall_shape("1000:564", 128) == (1000, 564)
+    for bad in ("7500", "7500:3000", "7500:7500", "1000:563", "a:b"):
         with pytest.raises(UserError, match="--recall"):
-            _recall_shape(bad)
+            _recall_shape(bad, 128)

@@ -299,6 +299,7 @@ def test_recall_fraction_adds_raw_prompts_that_repeat_a_modules_opening(tmp_path
         cut = task.text.index("def f0(", 1)
         first, again = task.text[:cut], task.text[cut:]
         assert task.messages == [] and first.startswith(again) and again.endswith("\n")
+        assert len(first) - len(again) >= 8000 // 8  # the continuation has text to copy
         assert 1900 <= len(first) <= 8000 * 2 // 3 and len(task.text) <= 8000
     assert [t.messages for t in mixed if t.kind != "recall"] == [t.messages for t in before[:9]]
     tok = tiny_tokenizer()

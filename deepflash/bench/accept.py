@@ -145,7 +145,7 @@ def run(args) -> dict:
     save(record, args.out)
 
     if args.recall:
-        depth, distance = _recall_shape(args.recall)
+        depth, distance = _recall_shape(args.recall, args.max_new_tokens)
         recall = {depth: recall_prompts(tok, depth, distance, args.per_depth)}
         record["recall"] = {"distance": distance} | window_sweep(target, tok, drafter, recall, params)
         table(f"AL on recall prompts (raw text whose continuation the module holds {distance} tokens back), by "
@@ -187,15 +187,16 @@ def window_sweep(target, tok, drafter, prompts: dict[int, list[list[int]]], para
     return record
 
 
-def _recall_shape(spec: str) -> tuple[int, int]:
-    """--recall DEPTH:DISTANCE -> (depth, distance); the repeat must end before its source does."""
+def _recall_shape(spec: str, new_tokens: int) -> tuple[int, int]:
+    """--recall DEPTH:DISTANCE -> (depth, distance); the repeated opening must end at least `new_tokens`
+    before the first copy does, so that the whole continuation has a source to copy."""
     try:
         depth, distance = (int(v) for v in spec.split(":"))
     except ValueError:
         raise UserError(f"--recall wants DEPTH:DISTANCE in tokens (e.g. 7500:4500), got {spec!r}") from None
-    if not 0 < depth - distance < distance:
-        raise UserError(f"--recall {spec}: DISTANCE must be under DEPTH and over half of it (the repeated opening, "
-                        "DEPTH - DISTANCE tokens, must end before the first copy does)")
+    if not (0 < depth - distance and depth - distance + new_tokens <= distance):
+        raise UserError(f"--recall {spec}: the repeated opening (DEPTH - DISTANCE tokens) must end at least "
+                        f"--max-new-tokens ({new_tokens}) before the first copy (DISTANCE tokens) does")
     return depth, distance
 
 

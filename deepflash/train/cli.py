@@ -190,7 +190,8 @@ def _source_tasks(args, count: int, weights) -> list:
         return []
     tasks = training_tasks(count, args.long_fraction, args.seed, weights=weights,
                            doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
-                           recall_fraction=args.recall_fraction, function_offset=args.function_offset, workers=args.prompt_workers)
+                           recall_fraction=args.recall_fraction, function_offset=args.function_offset,
+                           workers=args.prompt_workers)
     if len(tasks) < count:  # said, not silent: the data is smaller than asked for
         print(f"deepflash: warning: {len(tasks)} prompts from the sources for {count} asked: the files ran out of "
               "functions for the doctest or write share (lower it, or --function-offset), or of modules long enough "

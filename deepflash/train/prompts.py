@@ -219,13 +219,16 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
 
 
 def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int) -> Task | None:
-    """The module's first 1/4..2/3 of max_chars characters, then a quarter to all of that opening again (both
-    cut at a line end, at most max_chars in all): the continuation lies as far back as the opening is long."""
+    """The module's first 1/4..2/3 of max_chars characters, then a quarter or more of that opening again, ending
+    at least max_chars / 8 characters (~900 tokens at 26,000) before the opening does, so that the
+    continuation has text to copy (both cut at a line end, at most max_chars in all): the continuation lies
+    as far back as the opening is long."""
     if len(text) < max_chars // 4:
         return None
     first = text[: rng.randint(max_chars // 4, min(len(text), max_chars * 2 // 3))]
     first = first[: first.rfind("\n") + 1]
-    again = first[: rng.randint(len(first) // 4, min(len(first), max_chars - len(first)))]
+    again = first[: rng.randint(len(first) // 4, max(len(first) // 4, min(len(first) - max_chars // 8,
+                                                                            max_chars - len(first))))]
     again = again[: again.rfind("\n") + 1]
     if not again:
         return None
