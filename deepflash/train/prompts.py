@@ -227,8 +227,10 @@ def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int)
         return None
     first = text[: rng.randint(max_chars // 4, min(len(text), max_chars * 2 // 3))]
     first = first[: first.rfind("\n") + 1]
-    again = first[: rng.randint(len(first) // 4, max(len(first) // 4, min(len(first) - max_chars // 8,
-                                                                            max_chars - len(first))))]
+    longest = min(len(first) - max_chars // 8, max_chars - len(first))
+    if longest < len(first) // 4:  # an opening cut short by a very long line
+        return None
+    again = first[: rng.randint(len(first) // 4, longest)]
     again = again[: again.rfind("\n") + 1]
     if not again:
         return None
