@@ -219,13 +219,17 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
 
 
 def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int) -> Task | None:
-    """The module's first 1/4..2/3 of max_chars characters, then a quarter or more of that opening again, ending
-    at least max_chars / 8 characters (~900 tokens at 26,000) before the opening does, so that the
-    continuation has text to copy (both cut at a line end, at most max_chars in all): the continuation lies
-    as far back as the opening is long."""
-    if len(text) < max_chars // 4:
+    """The module's opening, 1/4..3/4 of max_chars characters (about 1.8K to 5.4K tokens at 26,000, a third
+    of them beyond 4096), then a quarter or more of that opening again, ending at least max_chars / 8
+    characters (~900 tokens at 26,000) before the opening does, so that the continuation has text to copy
+    (both cut at a line end, at most max_chars in all): the continuation lies as far back as the opening is
+    long. The opening's length is drawn before the file is looked at (a file shorter than the draw gives
+    none): drawn up to the file's length, most openings were short, as most files are (in the thirty-second
+    session 0.4% of the target's copied 6-grams lay beyond 4096 tokens)."""
+    opening = rng.randint(max_chars // 4, max_chars * 3 // 4)
+    if len(text) < opening:
         return None
-    first = text[: rng.randint(max_chars // 4, min(len(text), max_chars * 2 // 3))]
+    first = text[:opening]
     first = first[: first.rfind("\n") + 1]
     longest = min(len(first) - max_chars // 8, max_chars - len(first))
     if longest < len(first) // 4:  # an opening cut short by a very long line
