@@ -118,7 +118,8 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
     target, tokenizer = tiny_target(), tiny_tokenizer()
     runtime = SimpleNamespace(tokenizer=tokenizer, target=target, draft_name="tiny",
                               drafter=tiny_drafter(drafter_config(target.cfg)))
-    monkeypatch.setattr(accept, "load_runtime", lambda cfg: runtime)
+    asked = []
+    monkeypatch.setattr(accept, "load_runtime", lambda cfg: asked.append(cfg) or runtime)
     monkeypatch.setattr(accept, "humaneval_messages", lambda n: [[{"role": "user", "content": "w5 w6"}]])
     monkeypatch.setattr(accept, "depth_prompts", lambda tok, depth, n: [[5, 6, 7, 8]])
     monkeypatch.setattr(accept, "recall_prompts", lambda tok, depth, distance, n: [[5, 6, 7, 8, 9, 5, 6]])
@@ -130,14 +131,16 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
 
     monkeypatch.setattr(accept, "Engine", engine)
     out = tmp_path / "accept.json"
-    args = argparse.Namespace(plot=None, device="cpu", model=None, draft=None, humaneval=1, max_new_tokens=4,
-                              depths="64", per_depth=1, recall="12:8", out=str(out))
+    args = argparse.Namespace(plot=None, device="cpu", dtype="float32", model=None, draft=None, humaneval=1,
+                              max_new_tokens=4, depths="64", per_depth=1, recall="12:8", out=str(out))
     with pytest.raises(RuntimeError, match="compile"):
         accept.run(args)
     saved = json.loads(out.read_text())
     assert set(saved["humaneval"]) == {"T=0", "T=1"} and set(saved["depth"]) == {"full", "4096", "2048"}
     assert saved["recall"]["distance"] == 8 and saved["recall"]["4096"]["12"]["prompts"] == 1
     assert "dtype" not in saved
+    assert asked[0].dtype == "float32"  # --dtype reaches the loader; the record names the loaded pair's dtype
+    assert saved["target_dtype"] == "float64"  # (the tiny test target's)
 
 
 def test_recall_prompts_repeat_a_modules_opening_after_it():

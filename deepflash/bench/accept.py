@@ -114,11 +114,12 @@ def run(args) -> dict:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before minutes of measuring, not after
         raise UserError("--plot needs matplotlib: pip install 'deepflash[bench]' (or leave --plot out)")
     device = resolve_device(args.device)
-    rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
+    rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device, dtype=args.dtype))
     tok, target, drafter = rt.tokenizer, rt.target, rt.drafter
     if drafter is None:
         raise UserError("bench accept needs a drafter (the embedded model ships one; else pass --draft)")
     record = {"bench": "accept", **environment(device), "draft": rt.draft_name,
+              "target_dtype": str(target.dtype).removeprefix("torch."),
               "trained_context_length": drafter.cfg.trained_context_length, "max_new_tokens": args.max_new_tokens}
 
     humaneval = [tok.chat(m) for m in humaneval_messages(args.humaneval)]
@@ -239,6 +240,9 @@ def register(sub) -> None:
     p.add_argument("--model")
     p.add_argument("--draft")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="the pair's dtype: auto (bf16 on CUDA, f32 on CPU), float32, bfloat16, float16; greedy "
+                        "outputs, and so how much the target copies from far back, differ between them")
     p.add_argument("--humaneval", type=int, help="limit the number of HumanEval prompts (default: all 164)")
     p.add_argument("--depths", default="1024,2048,4096,6144,7500")
     p.add_argument("--per-depth", type=int, default=4)
