@@ -1,6 +1,7 @@
 """The benchmarks' own bookkeeping (their GPU figures live in BENCHMARKS.md)."""
 
 import argparse
+import platform
 
 import pytest
 import torch
@@ -141,6 +142,7 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
     assert "dtype" not in saved
     assert asked[0].dtype == "float32"  # --dtype reaches the loader; the record names the loaded pair's dtype
     assert saved["target_dtype"] == "float64"  # (the tiny test target's)
+    assert saved["python"] == platform.python_version()  # its standard library gives the depth and recall prompts
 
 
 def test_recall_prompts_repeat_a_modules_opening_after_it():

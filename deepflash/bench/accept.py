@@ -241,8 +241,7 @@ def register(sub) -> None:
     p.add_argument("--draft")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto",
-                   help="the pair's dtype: auto (bf16 on CUDA, f32 on CPU), float32, bfloat16, float16; greedy "
-                        "outputs, and so how much the target copies from far back, differ between them")
+                   help="the pair's dtype: auto (bf16 on CUDA, f32 on CPU), float32, bfloat16, float16")
     p.add_argument("--humaneval", type=int, help="limit the number of HumanEval prompts (default: all 164)")
     p.add_argument("--depths", default="1024,2048,4096,6144,7500")
     p.add_argument("--per-depth", type=int, default=4)

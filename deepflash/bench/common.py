@@ -79,8 +79,10 @@ def device_name(device: torch.device) -> str:
 def environment(device: torch.device) -> dict:
     import transformers
 
-    return {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": date.today().isoformat()}
+    # python: the depth and recall prompts are its standard library's modules, so figures pair up only
+    # between runs on one Python version
+    return {"device": device_name(device), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": date.today().isoformat()}
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> None:

@@ -44,7 +44,8 @@ def recall_prompts(tokenizer, depth: int, distance: int, count: int, seed: int =
     `distance` tokens, then its first `depth - distance` again, so that the target's continuation copies
     the module from `distance` tokens back, as an agent re-emitting a file it read long ago does (the
     embedded target copied 46% of its continuation's 6-grams from beyond 4096 tokens on such prompts,
-    where it rarely quotes from that far on request; BENCHMARKS.md)."""
+    where it rarely quotes from that far on request; BENCHMARKS.md). The modules are this Python's: another
+    version's give other prompts."""
     rng = random.Random(seed + depth + distance)
     files = stdlib_files()
     rng.shuffle(files)
