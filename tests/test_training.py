@@ -380,6 +380,22 @@ def test_the_held_out_split_is_fixed_by_content_as_data_grows():
     assert len(split_held_out(seqs[:2], 0.0)[0]) == 1 and split_held_out(seqs[:1], 0.5)[0] == []
 
 
+def test_raw_prompts_too_long_for_a_full_response_are_cut_and_chats_dropped(tmp_path):
+    """A recall prompt (raw text) longer than max_len - max_new_tokens keeps its first tokens, so that its
+    continuation gets the whole response budget (the repeat ends sooner; its source lies as far back); a
+    chat that long would lose its request, so it stays out as before."""
+    target, tok = tiny_target(dtype=torch.float32), tiny_tokenizer()
+    text = " ".join(f"w{5 + i % 80}" for i in range(150))
+    tasks = [Task("recall", "x", [], text=text),
+             Task("test", "x", [{"role": "user", "content": text}]),
+             Task("test", "x", [{"role": "user", "content": "w5 w6"}])]
+    summary = build_dataset(target, tok, tasks, tmp_path / "data", max_new_tokens=20, max_len=120, sampled_fraction=0.0)
+    seqs, _ = read_all(tmp_path / "data")
+    assert summary["sequences"] == len(seqs) == 2
+    prompts = sorted((s.tokens[~s.loss_mask].tolist() for s in seqs), key=len)
+    assert prompts[0] == tok.chat(tasks[2].messages) and prompts[1] == tok.encode(text)[:100]
+
+
 def test_dataset_shards_hold_prompt_and_response(dataset):
     target, tok, out, summary = dataset
     seqs, meta = read_all(out)

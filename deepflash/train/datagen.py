@@ -94,7 +94,9 @@ def build_dataset(target, tokenizer, tasks: list[Task], out: Path, *, max_new_to
     stop_ids = tokenizer.stop_ids(target.cfg.eos_token_ids)
     started = time.perf_counter()
     items = []
-    for ids in prompt_ids(tokenizer, tasks):
+    for task, ids in zip(tasks, prompt_ids(tokenizer, tasks)):
+        if task.text is not None:  # raw recall text: cutting the repeat short leaves the source as far back
+            ids = ids[: max_len - max_new_tokens]
         if len(ids) + 16 <= max_len:
             items.append((ids, rng.random() < sampled_fraction, rng.getrandbits(31)))
     before = (seconds or {}) | {"tokenize": time.perf_counter() - started}
