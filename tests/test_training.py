@@ -445,6 +445,29 @@ def test_exercise_tasks_ask_in_batches_and_keep_distinct_headers(dataset, monkey
     assert exercises.exercise_requests(4, 1) == exercises.exercise_requests(4, 1) != exercises.exercise_requests(4, 2)
 
 
+def test_deep_eval_reads_long_held_out_sequences_with_the_window_whole_and_capped(dataset, tmp_path, monkeypatch):
+    """deep_eval: the held-out sequences whose prompt is longer than DEEP_WINDOW, evaluated with the whole
+    context and with every layer's window capped there; a cap longer than the sequences changes nothing,
+    a shorter one changes the drafter's outputs."""
+    from deepflash.train import trainer as trainer_module
+
+    target, tok, data, _ = dataset
+    monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 30)
+    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4, anchors=16,
+                     steps=1, eval_fraction=0.5, attention="sdpa", mask_token_id=95)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    deep = [s for s in trainer.eval_seqs if int(torch.nonzero(s.loss_mask)[0]) > 30]
+    assert 0 < len(deep) < len(trainer.eval_seqs)  # some held-out prompts are shorter
+    record = trainer.deep_eval()
+    assert record == {"deep_sequences": len(deep), "deep_al": trainer.evaluate(deep)["eval_al"],
+                      "deep_al_30": trainer.evaluate(deep, window=30)["eval_al"]}
+    whole = trainer.evaluate(deep)["eval_loss"]
+    assert trainer.evaluate(deep, window=10_000)["eval_loss"] == whole
+    assert trainer.evaluate(deep, window=30)["eval_loss"] != whole
+    monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 10_000)
+    assert trainer.deep_eval() == {}
+
+
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     target, tok, data, _ = dataset
     tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4, anchors=16,

@@ -21,7 +21,7 @@ from .masks import query_layout, training_mask_mod
 
 
 def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask, anchors, real, weights,
-               attention: str, final=None, label=None, chunk: int = 0):
+               attention: str, final=None, label=None, chunk: int = 0, window: int | None = None):
     """Decay-weighted CE of a batch of sequences' packed anchor blocks, in one forward; returns (loss,
     weight sum, accepted [b, A], per-k counts): accepted holds each block's drafts that match the data
     up to its first miss (what greedy speculation accepts on greedy data), counts[k-1] the blocks with a
@@ -32,7 +32,8 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     loss is instead the KL divergence from the target's next-token distribution at each label, the
     one it computes at the position before (--distill). `label`: labelled()'s result, if the caller
     has it already. `chunk`: anchor blocks per query chunk of the SDPA path (0: all; A must be a
-    multiple)."""
+    multiple). `window`: every layer sees at most that many positions back, as the engine's drafter does
+    with its feature ring capped (evaluation only)."""
     cfg = drafter.cfg
     size, (b, ctx_len) = cfg.block_size, feats.shape[:2]
     device = tokens.device
@@ -42,7 +43,8 @@ def block_loss(drafter: DFlashDrafter, target, tokens, lengths, feats, loss_mask
     q_pos = anchors[:, block_id] + offset  # [b, A*B]
     block = torch.where(offset == 0, tokens.gather(1, anchors)[:, block_id], cfg.mask_token_id)
     x = drafter.block_embeddings(target.model.embed_tokens, block)
-    masks = _layer_masks(cfg, anchors, ctx_len, attention, chunk or anchors.shape[1], _compute_dtype(drafter))
+    masks = _layer_masks(cfg, anchors, ctx_len, attention, chunk or anchors.shape[1], _compute_dtype(drafter),
+                         window)
     hidden = drafter(x, q_pos, ctx_kv, masks).view(b, anchors.shape[1], size, -1)[:, :, 1:]
     valid, label_pos = label if label is not None else labelled(anchors, lengths, loss_mask, real, size)
     labels = tokens.gather(1, label_pos).view_as(valid)
@@ -121,11 +123,13 @@ def _compute_dtype(drafter: DFlashDrafter) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else drafter.dtype
 
 
-def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str, chunk: int, dtype: torch.dtype) -> list:
+def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str, chunk: int, dtype: torch.dtype,
+                 cap: int | None = None) -> list:
     made: dict = {}
     out = []
     for i in range(cfg.num_layers):
-        key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+        window = cfg.layer_window(i)
+        key = (cfg.layer_is_causal(i), cap if window is None else window if cap is None else min(window, cap))
         if key not in made:
             if attention == "flex":
                 from .flex import block_mask_for

@@ -200,6 +200,9 @@ MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as bo
 # H200. On batches of ~22 short sequences this bound took the peak from 14.5 to 9.4 GiB for 1% more
 # time per step (twenty-second session, profile_train.py --part-queries)
 PART_QUERIES = 1 << 16
+# Trainer.deep_eval: held-out sequences with prompts longer than this, read with the whole context and with
+# the drafter's window capped here (the sliding window of existing engines that lost acceptance on deep prompts)
+DEEP_WINDOW = 4096
 
 
 def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -407,13 +410,13 @@ class Trainer:
             total, weight, counts = total + loss.detach(), weight + w, counts + c
         return total / weight.clamp(min=1), accepted / counts.clamp(min=1)
 
-    def _part_loss(self, inputs, attention: str, train: bool, label=None):
+    def _part_loss(self, inputs, attention: str, train: bool, label=None, window: int | None = None):
         """block_loss of one part's _batch_inputs, after the target's feature pass."""
         tokens, lengths, loss_mask, anchors, real = inputs
         feats, final = self._target_pass(tokens, final=self.tc.distill)
         with self._autocast(), torch.set_grad_enabled(train):
             return block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale, loss_mask,
-                              anchors, real, self.weights, attention, final, label, self.tc.attention_chunk)
+                              anchors, real, self.weights, attention, final, label, self.tc.attention_chunk, window)
 
     def _parts(self, batch: list[Sequence]) -> list[list[Sequence]]:
         """The batch in parts of at most PART_QUERIES block queries whose attention masks stay within
@@ -484,22 +487,23 @@ class Trainer:
                 "tok_per_s": tokens * self.group.world / seconds, "elapsed_s": round(p.elapsed, 1)}
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """On the held-out sequences, with a block at every response position (no random draw): the
-        weighted loss, per k the share of blocks that keep draft k, and the AL greedy speculation reaches
-        walking each response as the engine does (walked_acceptance)."""
+    def evaluate(self, seqs: list[Sequence] | None = None, window: int | None = None) -> dict:
+        """On held-out sequences (the first 32 by default), with a block at every response position (no
+        random draw): the weighted loss, per k the share of blocks that keep draft k, and the AL greedy
+        speculation reaches walking each response as the engine does (walked_acceptance); `window`: the
+        drafter sees at most that many positions back (deep_eval)."""
         self.drafter.eval()
         loss = weight = torch.zeros((), device=self.device)
         accepted = counts = torch.zeros(self.cfg.block_size - 1, device=self.device)
         steps = tokens = 0
         attention = "sdpa" if self.device.type == "cpu" else self.attention
         with self._sdpa_backends():
-            for seq in self.eval_seqs[:32]:
+            for seq in self.eval_seqs[:32] if seqs is None else seqs:
                 inputs = self._batch_inputs([seq], every_anchor=True)
                 anchors, real = inputs[3:]
                 if anchors is None:
                     continue
-                part, w, a, c = self._part_loss(inputs, attention, train=False)
+                part, w, a, c = self._part_loss(inputs, attention, train=False, window=window)
                 loss, weight, counts = loss + part, weight + w, counts + c
                 accepted = accepted + acceptance_by_position(a, self.cfg.block_size)
                 n = int(real[0])
@@ -520,7 +524,7 @@ class Trainer:
         if lead and self.tc.init_from and self.progress.step == 0:
             # the continued drafter on this data's held-out split: what this run adds is read against it
             # (each run restarts the schedule's warmup, and the first evaluation used to come 400 steps in)
-            self._log_eval(log)
+            self._log_eval(log, deep=True)
         self.drafter.train()
         with bar(TextColumn("{task.fields[info]}"), disable=not lead) as display:
             task = display.add_task("training drafter", total=1000, info="")
@@ -541,12 +545,12 @@ class Trainer:
                     if self.finished:
                         break
         if lead:
-            self._log_eval(log)
+            self._log_eval(log, deep=True)
             self._save_checkpoint()
             self.export(self.out / "drafter")
             if self.averaged is not None:  # after the run's own export, which nothing here can then cost
                 with self._drafter(self.averaged.module):
-                    self._log_eval(log, weights="ema")
+                    self._log_eval(log, weights="ema", deep=True)
                 self._save_checkpoint()  # again, with the average's evaluation (train-drafter export --ema)
                 self.export(self.out / "drafter-ema", weights="ema")
             log.close()
@@ -554,16 +558,30 @@ class Trainer:
         self.group.check_replicas(list(self.drafter.parameters()))
         return self.out / "drafter"
 
-    def _log_eval(self, log, weights: str | None = None) -> None:
+    def deep_eval(self) -> dict:
+        """AL on the first 32 held-out sequences whose prompt is longer than DEEP_WINDOW tokens, with the
+        drafter's whole context and with it capped at DEEP_WINDOW (what `bench accept` sweeps on a few
+        prompts, here on the held-out data); {} when there are none."""
+        deep = [s for s in self.eval_seqs if int(s.loss_mask.int().argmax()) > DEEP_WINDOW][:32]
+        if not deep:
+            return {}
+        return {"deep_sequences": len(deep), "deep_al": self.evaluate(deep)["eval_al"],
+                f"deep_al_{DEEP_WINDOW}": self.evaluate(deep, window=DEEP_WINDOW)["eval_al"]}
+
+    def _log_eval(self, log, weights: str | None = None, deep: bool = False) -> None:
         """Evaluate, log and keep the record (Progress.summary); weights names the ones evaluated when they
-        are not the run's own ("ema")."""
-        record = {"step": self.progress.step, **({"weights": weights} if weights else {}), **self.evaluate()}
+        are not the run's own ("ema"); deep adds deep_eval's figures (at the run's start and end only: two
+        more passes over long sequences)."""
+        record = {"step": self.progress.step, **({"weights": weights} if weights else {}), **self.evaluate(),
+                  **(self.deep_eval() if deep else {})}
         self.progress.history.append(record)
         log.write(json.dumps(record) + "\n")
         log.flush()
         which = f" ({weights})" if weights else ""
+        depth = (f", deep AL {record['deep_al']} (capped at {DEEP_WINDOW}: {record[f'deep_al_{DEEP_WINDOW}']}, "
+                 f"{record['deep_sequences']} sequences)" if "deep_al" in record else "")
         stderr.print(f"step {record['step']}{which}: eval loss {record['eval_loss']:.3f}, "
-                     f"accept@1 {record['eval_accept'][0]:.3f}, AL {record['eval_al']}")
+                     f"accept@1 {record['eval_accept'][0]:.3f}, AL {record['eval_al']}{depth}")
 
     @contextlib.contextmanager
     def _drafter(self, drafter: DFlashDrafter):
