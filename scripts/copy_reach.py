@@ -1,16 +1,16 @@
 """Does the target copy text from far back on bench accept's depth prompts? Greedy plain decoding of
 the embedded target (or --model) on the depth prompts, then the share of each output's 6-grams found in
-its prompt only beyond a window (accept.copied_from_beyond): if the target copies nothing from there, a
+its prompt only beyond a window (reach.copied_from_beyond): if the target copies nothing from there, a
 drafter capped at that window loses nothing there either. Runs on the CPU in minutes; ends with one
 JSON line."""
 
 import argparse
 import json
 
-from deepflash.bench.accept import copied_from_beyond
 from deepflash.bench.prompts import depth_prompts
 from deepflash.config import EngineConfig
 from deepflash.engine import Engine
+from deepflash.reach import copied_from_beyond
 from deepflash.runtime import load_runtime
 from deepflash.sampling import SamplingParams
 

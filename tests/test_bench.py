@@ -6,12 +6,13 @@ import platform
 import pytest
 import torch
 
-from deepflash.bench.accept import copied_from_beyond, measure, paired_change
+from deepflash.bench.accept import measure, paired_change
 from deepflash.bench.rings import parse_shape, run as run_rings
 from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
 from deepflash.ring_kernels import Shape
 from deepflash.engine import Engine
 from deepflash.errors import UserError
+from deepflash.reach import copied_from_beyond
 from deepflash.sampling import SamplingParams
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 

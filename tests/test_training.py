@@ -445,26 +445,35 @@ def test_exercise_tasks_ask_in_batches_and_keep_distinct_headers(dataset, monkey
     assert exercises.exercise_requests(4, 1) == exercises.exercise_requests(4, 1) != exercises.exercise_requests(4, 2)
 
 
-def test_deep_eval_reads_long_held_out_sequences_with_the_window_whole_and_capped(dataset, tmp_path, monkeypatch):
-    """deep_eval: the held-out sequences whose prompt is longer than DEEP_WINDOW, evaluated with the whole
-    context and with every layer's window capped there; a cap longer than the sequences changes nothing,
-    a shorter one changes the drafter's outputs."""
+def test_deep_eval_reads_the_held_out_sequences_that_copy_from_beyond_its_window(dataset, tmp_path, monkeypatch):
+    """deep_eval picks the held-out sequences whose response copies from beyond DEEP_WINDOW tokens back (not
+    merely long ones) and reads them with the whole context and with every layer's window capped there; a
+    cap longer than the sequences changes nothing, a shorter one changes the drafter's outputs."""
     from deepflash.train import trainer as trainer_module
+    from deepflash.train.shards import write_shard
 
     target, tok, data, _ = dataset
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    for i in range(24):
+        prompt = torch.randint(5, 90, (60,), generator=gen)
+        response = prompt[:20] if i % 2 else torch.randint(5, 90, (20,), generator=gen)  # odd ones copy from 60 back
+        seqs.append(Sequence(torch.cat([prompt, response]), torch.arange(80) >= 60))
+    (tmp_path / "copies").mkdir()
+    write_shard(tmp_path / "copies" / "shard-0000.safetensors", seqs, read_all(data)[1])
     monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 30)
-    tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4, anchors=16,
-                     steps=1, eval_fraction=0.5, attention="sdpa", mask_token_id=95)
+    tc = TrainConfig(data=str(tmp_path / "copies"), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4,
+                     anchors=16, steps=1, eval_fraction=0.5, attention="sdpa", mask_token_id=95)
     trainer = Trainer(tc, target, tok, torch.device("cpu"))
-    deep = [s for s in trainer.eval_seqs if int(torch.nonzero(s.loss_mask)[0]) > 30]
-    assert 0 < len(deep) < len(trainer.eval_seqs)  # some held-out prompts are shorter
+    copying = [seq for seq in trainer.eval_seqs if torch.equal(seq.tokens[60:], seq.tokens[:20])]
+    assert 0 < len(copying) < len(trainer.eval_seqs)
     record = trainer.deep_eval()
-    assert record == {"deep_sequences": len(deep), "deep_al": trainer.evaluate(deep)["eval_al"],
-                      "deep_al_30": trainer.evaluate(deep, window=30)["eval_al"]}
-    whole = trainer.evaluate(deep)["eval_loss"]
-    assert trainer.evaluate(deep, window=10_000)["eval_loss"] == whole
-    assert trainer.evaluate(deep, window=30)["eval_loss"] != whole
-    monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 10_000)
+    assert record == {"deep_sequences": len(copying), "deep_al": trainer.evaluate(copying)["eval_al"],
+                      "deep_al_30": trainer.evaluate(copying, window=30)["eval_al"]}
+    whole = trainer.evaluate(copying)["eval_loss"]
+    assert trainer.evaluate(copying, window=10_000)["eval_loss"] == whole
+    assert trainer.evaluate(copying, window=30)["eval_loss"] != whole
+    monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 70)  # nothing copies from 70 back
     assert trainer.deep_eval() == {}
 
 

@@ -18,6 +18,7 @@ import torch
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import UserError
+from ..reach import copied_from_beyond
 from ..runtime import load_runtime, resolve_device
 from ..sampling import SamplingParams
 from ..stats import SpecStats
@@ -75,21 +76,6 @@ def _change(row: dict) -> str:
         return f"{row['acceptance_length']:.2f}"
     low, high = vs["ci95"]
     return f"{row['acceptance_length']:.2f} ({vs['relative']:+.1%} [{low:+.1%}, {high:+.1%}])"
-
-
-def copied_from_beyond(prompts: list[list[int]], outputs: list[list[int]], window: int, n: int = 6) -> float:
-    """Share of the outputs' n-grams that occur in their prompt only more than `window` tokens before its
-    end: text a drafter capped at `window` cannot see. If the target copies nothing from there, a cap
-    cannot cost acceptance on these prompts."""
-    far = total = 0
-    for ids, out in zip(prompts, outputs):
-        last_seen: dict[tuple, int] = {}
-        for p in range(len(ids) - n + 1):
-            last_seen[tuple(ids[p : p + n])] = p
-        grams = [tuple(out[p : p + n]) for p in range(len(out) - n + 1)]
-        total += len(grams)
-        far += sum(1 for g in grams if last_seen.get(g, len(ids)) + n <= len(ids) - window)
-    return far / total if total else 0.0
 
 
 def _with_reach(row: dict) -> str:

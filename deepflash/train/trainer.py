@@ -52,6 +52,7 @@ from ..drafter import STORAGES, DFlashDrafter, load_drafter, save_drafter, store
 from ..errors import UserError
 from ..models import init_random_
 from ..progress import bar, stderr
+from ..reach import copied_from_beyond
 from .loss import acceptance_by_position, block_loss, labelled, walked_acceptance
 from .masks import default_gamma, loss_weights
 from .parallel import Group
@@ -200,8 +201,9 @@ MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as bo
 # H200. On batches of ~22 short sequences this bound took the peak from 14.5 to 9.4 GiB for 1% more
 # time per step (twenty-second session, profile_train.py --part-queries)
 PART_QUERIES = 1 << 16
-# Trainer.deep_eval: held-out sequences with prompts longer than this, read with the whole context and with
-# the drafter's window capped here (the sliding window of existing engines that lost acceptance on deep prompts)
+# Trainer.deep_eval: held-out sequences that copy from beyond this many tokens back, read with the whole context
+# and with the drafter's window capped here (the sliding window of existing engines that lost acceptance on
+# deep prompts)
 DEEP_WINDOW = 4096
 
 
@@ -559,10 +561,18 @@ class Trainer:
         return self.out / "drafter"
 
     def deep_eval(self) -> dict:
-        """AL on the first 32 held-out sequences whose prompt is longer than DEEP_WINDOW tokens, with the
-        drafter's whole context and with it capped at DEEP_WINDOW (what `bench accept` sweeps on a few
-        prompts, here on the held-out data); {} when there are none."""
-        deep = [s for s in self.eval_seqs if int(s.loss_mask.int().argmax()) > DEEP_WINDOW][:32]
+        """AL on the held-out sequences whose response copies most from beyond DEEP_WINDOW tokens back (the
+        32 with the largest share of 6-grams found only there; none that copies nothing from there), with
+        the drafter's whole context and with it capped at DEEP_WINDOW: what the deep-context design is
+        worth where the target needs it (`bench accept` sweeps a few prompts); {} when none qualifies. Picked
+        by copying, not by length: long held-out chats, which copy little from far back, would fill the 32."""
+        def reach(seq: Sequence) -> float:
+            start = int(seq.loss_mask.int().argmax())
+            ids = seq.tokens.tolist()
+            return copied_from_beyond([ids[:start]], [ids[start:]], DEEP_WINDOW) if start > DEEP_WINDOW else 0.0
+
+        shares = [(reach(seq), i) for i, seq in enumerate(self.eval_seqs)]
+        deep = [self.eval_seqs[i] for share, i in sorted(shares, reverse=True)[:32] if share > 0]
         if not deep:
             return {}
         return {"deep_sequences": len(deep), "deep_al": self.evaluate(deep)["eval_al"],
