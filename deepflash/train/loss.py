@@ -128,8 +128,8 @@ def _layer_masks(cfg: DrafterConfig, anchors, seq_len: int, attention: str, chun
     made: dict = {}
     out = []
     for i in range(cfg.num_layers):
-        window = cfg.layer_window(i)
-        key = (cfg.layer_is_causal(i), cap if window is None else window if cap is None else min(window, cap))
+        window = min((w for w in (cfg.layer_window(i), cap) if w is not None), default=None)  # the tighter
+        key = (cfg.layer_is_causal(i), window)
         if key not in made:
             if attention == "flex":
                 from .flex import block_mask_for

@@ -245,6 +245,7 @@ class Trainer:
         self.group = group or Group()  # data-parallel workers (parallel.py); alone by default
         seqs, self.data_meta = read_all(Path(tc.data))
         self.eval_seqs, self.train_seqs = split_held_out(seqs, tc.eval_fraction)
+        self._deep_seqs: dict[int, list[Sequence]] = {}  # deep_eval's picks, by window
         trained_ctx = int(self.data_meta.get("max_len") or max(len(s) for s in seqs))
         mask = tc.mask_token_id if tc.mask_token_id is not None else \
             pick_mask_token(tokenizer, tokenizer.stop_ids(target.cfg.eos_token_ids))
@@ -566,17 +567,24 @@ class Trainer:
         the drafter's whole context and with it capped at DEEP_WINDOW: what the deep-context design is
         worth where the target needs it (`bench accept` sweeps a few prompts); {} when none qualifies. Picked
         by copying, not by length: long held-out chats, which copy little from far back, would fill the 32."""
-        def reach(seq: Sequence) -> float:
-            start = int(seq.loss_mask.int().argmax())
-            ids = seq.tokens.tolist()
-            return copied_from_beyond([ids[:start]], [ids[start:]], DEEP_WINDOW) if start > DEEP_WINDOW else 0.0
-
-        shares = [(reach(seq), i) for i, seq in enumerate(self.eval_seqs)]
-        deep = [self.eval_seqs[i] for share, i in sorted(shares, reverse=True)[:32] if share > 0]
+        deep = self._deep_seqs.get(DEEP_WINDOW)
+        if deep is None:  # the held-out set is fixed: the scan over it (seconds of Python) runs once a run
+            deep = self._deep_seqs[DEEP_WINDOW] = self._copying_from_beyond(DEEP_WINDOW)
         if not deep:
             return {}
         return {"deep_sequences": len(deep), "deep_al": self.evaluate(deep)["eval_al"],
                 f"deep_al_{DEEP_WINDOW}": self.evaluate(deep, window=DEEP_WINDOW)["eval_al"]}
+
+    def _copying_from_beyond(self, window: int, most: int = 32) -> list[Sequence]:
+        """The `most` held-out sequences with the largest share of response 6-grams found in their prompt
+        only beyond `window` tokens back (none with no such share)."""
+        def reach(seq: Sequence) -> float:
+            start = int(seq.loss_mask.int().argmax())
+            ids = seq.tokens.tolist()
+            return copied_from_beyond([ids[:start]], [ids[start:]], window) if start > window else 0.0
+
+        shares = [(reach(seq), i) for i, seq in enumerate(self.eval_seqs)]
+        return [self.eval_seqs[i] for share, i in sorted(shares, reverse=True)[:most] if share > 0]
 
     def _log_eval(self, log, weights: str | None = None, deep: bool = False) -> None:
         """Evaluate, log and keep the record (Progress.summary); weights names the ones evaluated when they
