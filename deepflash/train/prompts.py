@@ -219,8 +219,8 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
 
 
 def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int) -> Task | None:
-    """The module's opening, 1/4..3/4 of max_chars characters (about 1.8K to 5.4K tokens at 26,000, a third
-    of them beyond 4096), then a quarter or more of that opening again, ending at least max_chars / 8
+    """The module's opening, 1/4..3/4 of max_chars characters (about 1.8K to 5.4K tokens at 26,000 and 3.6
+    characters a token, more in dense files; a third of them beyond 4096 on 200 local prompts), then a quarter or more of that opening again, ending at least max_chars / 8
     characters (~900 tokens at 26,000) before the opening does, so that the continuation has text to copy
     (both cut at a line end, at most max_chars in all): the continuation lies as far back as the opening is
     long. The opening's length is drawn before the file is looked at (a file shorter than the draw gives
