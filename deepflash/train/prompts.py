@@ -68,7 +68,10 @@ class Task:
     kind: str
     source: str  # file it came from
     messages: list[dict]  # the chat, in the serving template; empty for a raw prompt
-    text: str | None = None  # a raw prompt (recall tasks), tokenized as it is
+    text: str | None = None  # a raw prompt (recall tasks): the module's opening
+    # recall tasks: the prompt goes on with the opening's own tokens for its first `again` characters
+    # (datagen.prompt_ids), so that its last token is one the opening has at that place
+    again: int = 0
 
 
 def site_package_files(limit_bytes: int = 200_000) -> list[Path]:
@@ -220,12 +223,13 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
 
 def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int) -> Task | None:
     """The module's opening, 1/4..3/4 of max_chars characters (about 1.8K to 5.4K tokens at 26,000 and 3.6
-    characters a token, more in dense files; a third of them beyond 4096 on 200 local prompts), then a quarter or more of that opening again, ending at least max_chars / 8
-    characters (~900 tokens at 26,000) before the opening does, so that the continuation has text to copy
-    (both cut at a line end, at most max_chars in all): the continuation lies as far back as the opening is
-    long. The opening's length is drawn before the file is looked at (a file shorter than the draw gives
-    none): drawn up to the file's length, most openings were short, as most files are (in the thirty-second
-    session 0.4% of the target's copied 6-grams lay beyond 4096 tokens)."""
+    characters a token, more in dense files; a third of them beyond 4096 on 200 local prompts), then a quarter
+    or more of that opening again (`again` characters), ending at least max_chars / 8 characters (~900 tokens
+    at 26,000) before the opening does, so that the continuation has text to copy (both cut at a line end, at
+    most max_chars in all): the continuation lies as far back as the opening is long. The opening's length is
+    drawn before the file is looked at (a file shorter than the draw gives none): drawn up to the file's
+    length, most openings were short, as most files are (in the thirty-second session 0.4% of the target's
+    copied 6-grams lay beyond 4096 tokens)."""
     opening = rng.randint(max_chars // 4, max_chars * 3 // 4)
     if len(text) < opening:
         return None
@@ -238,7 +242,7 @@ def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int)
     again = again[: again.rfind("\n") + 1]
     if not again:
         return None
-    return Task("recall", str(path), [], text=first + again)
+    return Task("recall", str(path), [], text=first, again=len(again))
 
 
 def parse_task_weights(spec: str | None) -> dict[str, float] | None:
