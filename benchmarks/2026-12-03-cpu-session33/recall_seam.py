@@ -4,7 +4,7 @@ points joined as tokens, as bench accept's recall prompts are (the first copy's 
 tokenized as text, the prompt's closing newline is a token of its own where the first copy has it merged with
 the next line's indent, so the last token never occurred in the first copy. Greedy continuations on the CPU;
 the share of their 6-grams found only in the first copy (mean over the prompts) (the source, not the repeat) and only beyond 4096.
-Usage: recall_seam.py COUNT NEW_TOKENS."""
+Usage: recall_seam.py COUNT NEW_TOKENS [SEED] (27 by default)."""
 import json, random, sys
 from deepflash.bench.accept import measure
 from deepflash.config import EngineConfig
@@ -15,9 +15,10 @@ from deepflash.sampling import SamplingParams
 from deepflash.train.prompts import recall_task, site_package_files
 
 count, new = int(sys.argv[1]), int(sys.argv[2])
+seed = int(sys.argv[3]) if len(sys.argv) > 3 else 27
 rt = load_runtime(EngineConfig(device="cpu", no_draft=True))
-rng, files = random.Random(27), site_package_files()
-random.Random(27).shuffle(files)
+rng, files = random.Random(seed), site_package_files()
+random.Random(seed).shuffle(files)
 as_text, as_tokens, repeats = [], [], []
 for path in files:
     task = recall_task(rng, path, path.read_text(errors="replace"), 26_000)
