@@ -413,10 +413,11 @@ class Trainer:
             total, weight, counts = total + loss.detach(), weight + w, counts + c
         return total / weight.clamp(min=1), accepted / counts.clamp(min=1)
 
-    def _part_loss(self, inputs, attention: str, train: bool, label=None, window: int | None = None):
-        """block_loss of one part's _batch_inputs, after the target's feature pass."""
+    def _part_loss(self, inputs, attention: str, train: bool, label=None, window: int | None = None, passed=None):
+        """block_loss of one part's _batch_inputs, after the target's feature pass (`passed`: its result, if
+        the caller has it)."""
         tokens, lengths, loss_mask, anchors, real = inputs
-        feats, final = self._target_pass(tokens, final=self.tc.distill)
+        feats, final = passed or self._target_pass(tokens, final=self.tc.distill)
         with self._autocast(), torch.set_grad_enabled(train):
             return block_loss(self.drafter, self.target, tokens, lengths, feats * self.feature_scale, loss_mask,
                               anchors, real, self.weights, attention, final, label, self.tc.attention_chunk, window)
@@ -489,16 +490,21 @@ class Trainer:
         return {"step": p.step, "loss": loss, "accept": accept, "grad_norm": norm, "lr": self.lr_now(),
                 "tok_per_s": tokens * self.group.world / seconds, "elapsed_s": round(p.elapsed, 1)}
 
-    @torch.no_grad()
     def evaluate(self, seqs: list[Sequence] | None = None, window: int | None = None) -> dict:
         """On held-out sequences (the first 32 by default), with a block at every response position (no
         random draw): the weighted loss, per k the share of blocks that keep draft k, and the AL greedy
         speculation reaches walking each response as the engine does (walked_acceptance); `window`: the
         drafter sees at most that many positions back (deep_eval)."""
+        return self._evaluate(seqs, (window,))[0]
+
+    @torch.no_grad()
+    def _evaluate(self, seqs: list[Sequence] | None, windows: tuple) -> list[dict]:
+        """evaluate() once per window, with one target pass per sequence for them all (the features do not
+        depend on the drafter's window)."""
         self.drafter.eval()
-        loss = weight = torch.zeros((), device=self.device)
-        accepted = counts = torch.zeros(self.cfg.block_size - 1, device=self.device)
-        steps = tokens = 0
+        zero, zeros = torch.zeros((), device=self.device), torch.zeros(self.cfg.block_size - 1, device=self.device)
+        sums = [{"loss": zero, "weight": zero, "accepted": zeros, "counts": zeros, "steps": 0, "tokens": 0}
+                for _ in windows]
         attention = "sdpa" if self.device.type == "cpu" else self.attention
         with self._sdpa_backends():
             for seq in self.eval_seqs[:32] if seqs is None else seqs:
@@ -506,16 +512,18 @@ class Trainer:
                 anchors, real = inputs[3:]
                 if anchors is None:
                     continue
-                part, w, a, c = self._part_loss(inputs, attention, train=False, window=window)
-                loss, weight, counts = loss + part, weight + w, counts + c
-                accepted = accepted + acceptance_by_position(a, self.cfg.block_size)
+                passed = self._target_pass(inputs[0], final=self.tc.distill)
                 n = int(real[0])
-                walked = walked_acceptance(anchors[0, :n].tolist(), a[0, :n].tolist(), len(seq))
-                steps, tokens = steps + walked[0], tokens + walked[1]
+                for window, total in zip(windows, sums):
+                    part, w, a, c = self._part_loss(inputs, attention, train=False, window=window, passed=passed)
+                    walked = walked_acceptance(anchors[0, :n].tolist(), a[0, :n].tolist(), len(seq))
+                    total.update(loss=total["loss"] + part, weight=total["weight"] + w, counts=total["counts"] + c,
+                                 accepted=total["accepted"] + acceptance_by_position(a, self.cfg.block_size),
+                                 steps=total["steps"] + walked[0], tokens=total["tokens"] + walked[1])
         self.drafter.train()
-        accept = accepted / counts.clamp(min=1)
-        return {"eval_loss": float(loss / weight.clamp(min=1)), "eval_accept": [round(float(x), 4) for x in accept],
-                "eval_al": round(tokens / max(steps, 1), 3)}
+        return [{"eval_loss": float(t["loss"] / t["weight"].clamp(min=1)),
+                 "eval_accept": [round(float(x), 4) for x in t["accepted"] / t["counts"].clamp(min=1)],
+                 "eval_al": round(t["tokens"] / max(t["steps"], 1), 3)} for t in sums]
 
     # --- loop -------------------------------------------------------------------------------------
     def run(self) -> Path:
@@ -572,8 +580,8 @@ class Trainer:
             deep = self._deep_seqs[DEEP_WINDOW] = self._copying_from_beyond(DEEP_WINDOW)
         if not deep:
             return {}
-        return {"deep_sequences": len(deep), "deep_al": self.evaluate(deep)["eval_al"],
-                f"deep_al_{DEEP_WINDOW}": self.evaluate(deep, window=DEEP_WINDOW)["eval_al"]}
+        whole, capped = self._evaluate(deep, (None, DEEP_WINDOW))
+        return {"deep_sequences": len(deep), "deep_al": whole["eval_al"], f"deep_al_{DEEP_WINDOW}": capped["eval_al"]}
 
     def _copying_from_beyond(self, window: int, most: int = 32) -> list[Sequence]:
         """The `most` held-out sequences with the largest share of response 6-grams found in their prompt
@@ -588,8 +596,8 @@ class Trainer:
 
     def _log_eval(self, log, weights: str | None = None, deep: bool = False) -> None:
         """Evaluate, log and keep the record (Progress.summary); weights names the ones evaluated when they
-        are not the run's own ("ema"); deep adds deep_eval's figures (at the run's start and end only: two
-        more passes over long sequences)."""
+        are not the run's own ("ema"); deep adds deep_eval's figures (at the run's start and end only: one
+        more target pass and two drafter passes over long sequences)."""
         record = {"step": self.progress.step, **({"weights": weights} if weights else {}), **self.evaluate(),
                   **(self.deep_eval() if deep else {})}
         self.progress.history.append(record)
