@@ -41,6 +41,8 @@ class Tokenizer:
 
     def chats(self, conversations: list[list[dict]], **template_kwargs) -> list[list[int]]:
         """chat() for many conversations: one batched encode, which a fast tokenizer spreads over threads."""
+        if not conversations:  # (the fast tokenizer fails on an empty batch) e.g. training data of recall prompts
+            return []
         if not self.hf.chat_template:
             raise UserError("this model has no chat template; pass --raw to send the prompt as plain text")
         for m in (m for messages in conversations for m in messages):

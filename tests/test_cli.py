@@ -87,6 +87,8 @@ def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, me
                                          (("--doctest-fraction", "0.6", "--write-fraction", "0.5"), "add up"),
                                          (("--function-offset", "-1"), "--function-offset"),
                                          (("--prompt-workers", "-1"), "--prompt-workers"),
+                                         (("--recall-min-opening", "0"), "--recall-min-opening"),
+                                         (("--recall-min-opening", "19501"), "--recall-min-opening"),
                                          (("--exercise-fraction", "1.2"), "--exercise-fraction")])
 def test_generate_data_refuses_shares_outside_0_1_and_negative_offsets(capsys, tmp_path, shares, flag):
     code, _, err = run(capsys, "train-drafter", "generate", "--out", tmp_path, *shares)

@@ -306,12 +306,17 @@ def test_recall_fraction_adds_raw_prompts_that_repeat_a_modules_opening(tmp_path
     assert max(len(t.text) for t in openings) > 8000 * 2 // 3  # the old cap
     short = [prompts.recall_task(random.Random(i), "x", body[:4000], 8000) for i in range(40)]
     assert 0 < sum(t is not None for t in short) < 40  # only the draws up to its length
+    far = prompts.training_tasks(12, long_fraction=0.0, seed=3, recall_fraction=0.25, max_long_chars=8000,
+                                 recall_min_opening=5500)
+    lengths = [len(t.text) for t in far if t.kind == "recall"]  # cut at a line end: a line short of the draw
+    assert len(lengths) == 3 and min(lengths) > 5500 - 60 and max(lengths) <= 8000 * 3 // 4
     assert [t.messages for t in mixed if t.kind != "recall"] == [t.messages for t in before[:9]]
     tok = tiny_tokenizer()
     chat = Task("test", "x", [{"role": "user", "content": "w5 w6"}])
     raw, recall = Task("recall", "x", [], text="w7 w8 w7"), Task("recall", "x", [], text="w7 w8 w9 w10", again=5)
     assert prompt_ids(tok, [chat, raw, recall, chat]) == [tok.chat(chat.messages), tok.encode("w7 w8 w7"),
                                                           tok.encode("w7 w8 w9 w10 w7"), tok.chat(chat.messages)]
+    assert prompt_ids(tok, [recall]) == [tok.encode("w7 w8 w9 w10 w7")]  # recall alone: no chats to encode
 
 
 def test_worker_processes_make_the_same_prompts(tmp_path, monkeypatch):

@@ -35,7 +35,8 @@ def depth_prompts(tokenizer, depth: int, count: int, seed: int = 0) -> list[list
         if ids is not None:
             out.append(ids)
     if len(out) < count:
-        raise UserError(f"found only {len(out)} standard-library modules long enough for {depth}-token prompts")
+        raise UserError(f"found only {len(out)} standard-library modules that make {depth}-token prompts (long "
+                        "enough, with a uniquely named function in the first third of the cut)")
     return out
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from ..drafter import STORAGES
 from ..errors import UserError
-from .prompts import PER_FILE, SHORT_TASKS
+from .prompts import MAX_LONG_CHARS, PER_FILE, SHORT_TASKS
+
+RECALL_LONGEST_OPENING = MAX_LONG_CHARS * 3 // 4  # recall_task's draw
 
 
 def register(sub) -> None:
@@ -39,6 +41,11 @@ def register(sub) -> None:
     gen.add_argument("--recall-fraction", type=float, default=0.0,
                      help="share of raw prompts that repeat a module's opening after it, so that the target's "
                           "continuation copies from thousands of tokens back")
+    gen.add_argument("--recall-min-opening", type=int, metavar="CHARS",
+                     help=f"shortest opening a recall prompt repeats, in characters (default {MAX_LONG_CHARS // 4}, "
+                          f"about 1.8K tokens; the longest is {RECALL_LONGEST_OPENING}): the continuation copies "
+                          "from as far back as the opening is long, so 15000 (about 4.2K tokens) puts nearly every "
+                          "source beyond 4096 tokens")
     gen.add_argument("--exercise-fraction", type=float, default=0.0,
                      help="share of --count made of exercises the target writes itself (a signature and docstring "
                           "per topic), asked back as 'complete' requests; the other shares apply to the rest")
@@ -158,6 +165,9 @@ def cmd_generate(args) -> None:
     if args.doctest_fraction + args.write_fraction + args.recall_fraction > 1:
         raise UserError(f"--doctest-fraction, --write-fraction and --recall-fraction add up to more than 1 "
                         f"({args.doctest_fraction} + {args.write_fraction} + {args.recall_fraction})")
+    if args.recall_min_opening is not None and not 0 < args.recall_min_opening <= RECALL_LONGEST_OPENING:
+        raise UserError(f"--recall-min-opening must be between 1 and {RECALL_LONGEST_OPENING} characters, "
+                        f"got {args.recall_min_opening}")
     if args.prompt_workers < 0:
         raise UserError(f"--prompt-workers must be 0 (one per CPU) or more, got {args.prompt_workers}")
     exercises = round(args.count * args.exercise_fraction)
@@ -191,7 +201,7 @@ def _source_tasks(args, count: int, weights) -> list:
     tasks = training_tasks(count, args.long_fraction, args.seed, weights=weights,
                            doctest_fraction=args.doctest_fraction, write_fraction=args.write_fraction,
                            recall_fraction=args.recall_fraction, function_offset=args.function_offset,
-                           workers=args.prompt_workers)
+                           workers=args.prompt_workers, recall_min_opening=args.recall_min_opening)
     if len(tasks) < count:  # said, not silent: the data is smaller than asked for
         print(f"deepflash: warning: {len(tasks)} prompts from the sources for {count} asked: the files ran out of "
               "functions for the doctest or write share (lower it, or --function-offset), or of modules long enough "

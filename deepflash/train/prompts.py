@@ -221,16 +221,18 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
     return Task(kind, str(path), [{"role": "user", "content": LONG_TASKS[kind].format(module=module, name=name)}])
 
 
-def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int) -> Task | None:
-    """The module's opening, 1/4..3/4 of max_chars characters (about 1.8K to 5.4K tokens at 26,000 and 3.6
-    characters a token, more in dense files; a third of them beyond 4096 on 200 local prompts), then a quarter
+def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int,
+                min_opening: int | None = None) -> Task | None:
+    """The module's opening, min_opening (default max_chars / 4)..3/4 of max_chars characters (about 1.8K to
+    5.4K tokens at 26,000 and 3.6 characters a token, more in dense files; 30% of them beyond 4096 in the
+    thirty-fourth session's data, 80% with min_opening 15,000 on 400 local prompts), then a quarter
     or more of that opening again (`again` characters), ending at least max_chars / 8 characters (~900 tokens
     at 26,000) before the opening does, so that the continuation has text to copy (both cut at a line end, at
     most max_chars in all): the continuation lies as far back as the opening is long. The opening's length is
     drawn before the file is looked at (a file shorter than the draw gives none): drawn up to the file's
     length, most openings were short, as most files are (in the thirty-second session 0.4% of the target's
     copied 6-grams lay beyond 4096 tokens)."""
-    opening = rng.randint(max_chars // 4, max_chars * 3 // 4)
+    opening = rng.randint(min_opening or max_chars // 4, max_chars * 3 // 4)
     if len(text) < opening:
         return None
     first = text[:opening]
@@ -261,15 +263,18 @@ def parse_task_weights(spec: str | None) -> dict[str, float] | None:
     return weights
 
 
-def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = 26_000,
+MAX_LONG_CHARS = 26_000  # a long task's or recall prompt's text at most: ~7.2K tokens at 3.6 characters a token
+
+
+def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_long_chars: int = MAX_LONG_CHARS,
                    weights: dict[str, float] | None = None, doctest_fraction: float = 0.0,
                    write_fraction: float = 0.0, recall_fraction: float = 0.0, function_offset: int = 0,
-                   workers: int = 1) -> list[Task]:
+                   workers: int = 1, recall_min_opening: int | None = None) -> list[Task]:
     """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
     `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
     for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
     requests (write_tasks), `recall_fraction` raw recall prompts (recall_task, one per file at least as
-    long as the opening it draws); the others are drawn, one per file, as without those shares. Those two
+    long as the opening it draws, at least `recall_min_opening` characters); the others are drawn, one per file, as without those shares. Those two
     shares take each file's first qualifying functions, so another seed mostly repeats them (reading
     files in another order); `function_offset` k skips the first k x PER_FILE of each file's, for new
     ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
@@ -288,7 +293,8 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
     def maker():  # asks each job for the kinds still short when it is handed out (a full share stays full)
         kinds = frozenset(kind for kind, n in wanted.items() if len(made[kind]) < n)
         return functools.partial(file_tasks, seed=seed, long_fraction=long_fraction, max_long_chars=max_long_chars,
-                                 weights=weights, skip=function_offset * PER_FILE, kinds=kinds)
+                                 weights=weights, skip=function_offset * PER_FILE, kinds=kinds,
+                                 recall_min_opening=recall_min_opening)
 
     per_file = _made_in_order(maker, files, workers or usable_cpus())
     with contextlib.closing(per_file), bar() as display:
@@ -308,7 +314,8 @@ def usable_cpus() -> int:
 
 
 def file_tasks(path: Path, *, seed: int, long_fraction: float, max_long_chars: int,
-               weights: dict[str, float] | None, skip: int, kinds: frozenset[str]) -> dict[str, list[Task]]:
+               weights: dict[str, float] | None, skip: int, kinds: frozenset[str],
+               recall_min_opening: int | None = None) -> dict[str, list[Task]]:
     """One file's tasks of `kinds` for training_tasks: "drawn" (a short or long task, drawn with the
     file's own generator), "doctest", "write", "recall". Module-level: worker processes call it by name."""
     text = path.read_text(errors="replace")
@@ -325,7 +332,7 @@ def file_tasks(path: Path, *, seed: int, long_fraction: float, max_long_chars: i
     if "write" in kinds:
         made["write"] = write_tasks(path, text, skip)
     if "recall" in kinds:
-        task = recall_task(random.Random(f"{seed}:recall:{path}"), path, text, max_long_chars)
+        task = recall_task(random.Random(f"{seed}:recall:{path}"), path, text, max_long_chars, recall_min_opening)
         made["recall"] = [task] if task is not None else []
     return made
 

@@ -85,6 +85,13 @@ fi
 [ "${CANDIDATES:-}" = none ] || stage pick python3 scripts/gpu/pick_drafter.py $CANDIDATES $ROOT/shipped-drafter \
   --device $DEVICE --prompts $PICK_PROMPTS --into deepflash/drafters/smollm2-135m --out $R/pick.json \
   || { echo "CHAIN_FAILED: no drafter"; exit 1; }
+# SWEEP_ARGS (bench accept arguments): each drafter of SWEEP_DRAFTERS (default: the arm's weight average and the
+# shipped drafter) on the same prompts, whichever pick shipped, in accept-NAME.json (NAME: its path under $ROOT,
+# / as -), so that drafters and windows compare prompt by prompt (bench.accept.paired_change)
+for drafter in ${SWEEP_ARGS:+${SWEEP_DRAFTERS:-$RUN/drafter-ema $ROOT/shipped-drafter}}; do
+  name=${drafter#$ROOT/} && name=${name//\//-}
+  stage sweep-$name deepflash bench accept --device $DEVICE --draft $drafter --out $R/accept-$name.json $SWEEP_ARGS
+done
 stage accept deepflash bench accept --device $DEVICE --out $R/accept.json --plot $R/accept.png $ACCEPT_ARGS
 stage speed deepflash bench speed --device $DEVICE --part engines --out $R/speed.json $SPEED_ARGS \
   ${SPEED_SYSTEMS:+--systems "$SPEED_SYSTEMS"}
