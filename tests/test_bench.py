@@ -6,13 +6,13 @@ import platform
 import pytest
 import torch
 
-from deepflash.bench.accept import measure, paired_change
+from deepflash.bench.accept import far_step_change, measure, paired_change
 from deepflash.bench.rings import parse_shape, run as run_rings
 from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
 from deepflash.ring_kernels import Shape
 from deepflash.engine import Engine
 from deepflash.errors import UserError
-from deepflash.reach import copied_from_beyond
+from deepflash.reach import copied_from_beyond, far_steps
 from deepflash.sampling import SamplingParams
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
@@ -106,6 +106,27 @@ def test_copied_from_beyond_counts_only_text_a_capped_window_cannot_see():
     assert copied_from_beyond([prompt], [near + far], window=20) == 5 / 15  # far's 5 of 15 (near's, across: not)
     assert copied_from_beyond([prompt + far], [far], window=20) == 0  # also near the end: visible
     assert copied_from_beyond([prompt], [list(range(500, 520))], window=20) == 0
+
+
+def test_far_steps_are_the_steps_that_begin_in_text_only_a_window_beyond_the_cap_holds():
+    far, near = list(range(100, 110)), list(range(200, 210))
+    prompt = far + list(range(300, 340)) + near  # 60 tokens: `far` ends 50 before the end
+    output = [999] + far + far + list(range(500, 506))  # the first token came from prefill
+    # steps commit far[0:4], far[4:10] (both copied from 50+ tokens back), then far again (now also
+    # in the output just before), a plain step, then new text
+    trace = [4, 6, 10, 0, 6]
+    assert far_steps(prompt, output, trace, window=20) == [4, 6]
+    assert far_steps(prompt, output, trace, window=55) == [4, 6]  # each source ends 55 tokens before its step
+    assert far_steps(prompt, output, trace, window=56) == []
+    # after two plain steps the 4 begins at far[2]; the 6 begins at far[6], where the next 6 tokens run
+    # into the second copy: text the context does not hold
+    assert far_steps(prompt, output, [0, 0, 4, 6], window=20) == [4]
+    full = {"per_prompt_trace": [trace, [3]]}
+    capped = {"per_prompt_trace": [[1, 1, 1, 1, 6, 10, 0, 6], [3]]}
+    change = far_step_change([prompt, prompt], [output, [999, 1, 2, 3]], full, capped, window=20)
+    assert change["full"] == {"steps": 2, "acceptance_length": 5.0}
+    assert change["capped"] == {"steps": 5, "acceptance_length": 2.0}  # 1, 1, 1, 1, 6
+    assert change["vs"]["relative"] == -0.6  # only the first prompt has far steps in both
 
 
 def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp_path):

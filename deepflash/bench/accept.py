@@ -18,7 +18,7 @@ import torch
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import UserError
-from ..reach import copied_from_beyond
+from ..reach import copied_from_beyond, far_steps
 from ..runtime import load_runtime, resolve_device
 from ..sampling import SamplingParams
 from ..stats import SpecStats
@@ -31,9 +31,10 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
     """Run every prompt, after an untimed pass over them all when warm_up (as bench speed does: with a
     one-request warm-up, spec on measured 0.79x plain on HumanEval here where bench speed measured 1.1x
     on five of its prompts, BENCHMARKS.md, tenth session; without it tok/s includes the first uses of
-    graphs and kernels). Returns the speculative statistics summed over the timed pass, and its outputs."""
+    graphs and kernels). Returns the speculative statistics summed over the timed pass (and each prompt's
+    steps, committed tokens and trace), and its outputs."""
     total = SpecStats(engine.block_size) if engine.drafter is not None else None
-    tokens, wall, outputs, per_prompt = 0, 0.0, [], []
+    tokens, wall, outputs, per_prompt, traces = 0, 0.0, [], [], []
     for timed in (False, True) if warm_up else (True,):
         for i, ids in enumerate(prompts):
             p = SamplingParams(temperature=params.temperature, max_new_tokens=params.max_new_tokens,
@@ -47,10 +48,12 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
                 if total is not None:
                     _add(total, r.spec)
                     per_prompt.append([r.spec.steps, r.spec.committed])
+                    traces.append(r.spec.trace)
     out = {"prompts": len(prompts), "tokens": tokens, "tok_per_s": tokens / wall}
     if total is not None:
         out.update(total.to_json())
         out["per_prompt_steps_committed"] = per_prompt
+        out["per_prompt_trace"] = traces
     return out, outputs
 
 
@@ -80,7 +83,12 @@ def _change(row: dict) -> str:
 
 def _with_reach(row: dict) -> str:
     reach = row.get("copied_from_beyond_window")
-    return _change(row) + ("" if reach is None else f", {reach:.1%} beyond")
+    if reach is None:
+        return _change(row)
+    far = row["far_steps"]
+    steps = "" if far["capped"]["steps"] == 0 else \
+        f"; from there {far['full']['acceptance_length']:.2f} -> {far['capped']['acceptance_length']:.2f}"
+    return _change(row) + f", {reach:.1%} beyond{steps}"
 
 
 def _add(total: SpecStats, s: SpecStats) -> None:
@@ -127,7 +135,8 @@ def run(args) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     record["depth"] = window_sweep(target, tok, drafter, prompts, params)
     table("AL by depth and feature window (a cap: change against the full window [95% interval over prompts], "
-          "share of the target's 6-grams copied from beyond the cap)", ["depth"] + list(WINDOWS),
+          "share of the target's 6-grams copied from beyond the cap; AL full -> capped on the steps that begin "
+          "in such text)", ["depth"] + list(WINDOWS),
           [[d] + [_with_reach(record["depth"][w][d]) for w in WINDOWS] for d in depths])
     save(record, args.out)
 
@@ -159,9 +168,9 @@ WINDOWS = {"full": None, "4096": 4096, "2048": 2048}
 
 def window_sweep(target, tok, drafter, prompts: dict[int, list[list[int]]], params: SamplingParams) -> dict:
     """Each prompt set's acceptance with the feature window at the full trained window and capped
-    (WINDOWS); a cap's rows carry their change against the full window and the share of the target's
-    6-grams copied from beyond the cap. One pass each: this compares acceptance, not speed (tok/s
-    includes first uses)."""
+    (WINDOWS); a cap's rows carry their change against the full window, the share of the target's
+    6-grams copied from beyond the cap, and AL on the steps that begin in such text (far_step_change).
+    One pass each: this compares acceptance, not speed (tok/s includes first uses)."""
     record = {name: {} for name in WINDOWS}
     for name, cap in WINDOWS.items():
         engine = Engine(target, tok, drafter, spec="on", feat_ring_cap=cap)
@@ -171,6 +180,27 @@ def window_sweep(target, tok, drafter, prompts: dict[int, list[list[int]]], para
             if cap is not None:  # greedy: every window's outputs are the target's own
                 record[name][key]["copied_from_beyond_window"] = copied_from_beyond(ids, outputs, cap)
                 record[name][key]["vs"] = paired_change(record["full"][key], stats)
+                record[name][key]["far_steps"] = far_step_change(ids, outputs, record["full"][key], stats, cap)
+    return record
+
+
+def far_step_change(prompts: list[list[int]], outputs: list[list[int]], full: dict, capped: dict,
+                    window: int) -> dict:
+    """AL on the steps that began where the target's next tokens lie only beyond `window` (reach.far_steps),
+    with the full window and capped (measure()'s rows on the same greedy outputs), and the cap's change over
+    the prompts with such steps in both runs: the steps a cap can cost, where the whole AL dilutes them
+    with the steps it cannot."""
+    commits = {name: [far_steps(ids, out, trace, window) for ids, out, trace in
+                      zip(prompts, outputs, run["per_prompt_trace"])] for name, run in (("full", full), ("capped", capped))}
+    record = {}
+    for name, rows in commits.items():
+        flat = [c for row in rows for c in row]
+        record[name] = {"steps": len(flat), "acceptance_length": round(sum(flat) / len(flat), 4) if flat else None}
+    both = [i for i in range(len(prompts)) if commits["full"][i] and commits["capped"][i]]
+    if both:
+        full_rows, capped_rows = ({"per_prompt_steps_committed": [[len(commits[name][i]), sum(commits[name][i])]
+                                                                  for i in both]} for name in ("full", "capped"))
+        record["vs"] = paired_change(full_rows, capped_rows)
     return record
 
 
