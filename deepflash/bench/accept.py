@@ -190,17 +190,18 @@ def far_step_change(prompts: list[list[int]], outputs: list[list[int]], full: di
     with the full window and capped (measure()'s rows on the same greedy outputs), and the cap's change over
     the prompts with such steps in both runs: the steps a cap can cost, where the whole AL dilutes them
     with the steps it cannot."""
+    runs = {"full": full, "capped": capped}
     commits = {name: [far_steps(ids, out, trace, window) for ids, out, trace in
-                      zip(prompts, outputs, run["per_prompt_trace"])] for name, run in (("full", full), ("capped", capped))}
+                      zip(prompts, outputs, run["per_prompt_trace"])] for name, run in runs.items()}
     record = {}
-    for name, rows in commits.items():
-        flat = [c for row in rows for c in row]
+    for name, per_prompt in commits.items():
+        flat = [c for row in per_prompt for c in row]
         record[name] = {"steps": len(flat), "acceptance_length": round(sum(flat) / len(flat), 4) if flat else None}
     both = [i for i in range(len(prompts)) if commits["full"][i] and commits["capped"][i]]
     if both:
-        full_rows, capped_rows = ({"per_prompt_steps_committed": [[len(commits[name][i]), sum(commits[name][i])]
-                                                                  for i in both]} for name in ("full", "capped"))
-        record["vs"] = paired_change(full_rows, capped_rows)
+        rows = {name: {"per_prompt_steps_committed": [[len(commits[name][i]), sum(commits[name][i])] for i in both]}
+                for name in runs}
+        record["vs"] = paired_change(rows["full"], rows["capped"])
     return record
 
 

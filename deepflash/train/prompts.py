@@ -70,7 +70,7 @@ class Task:
     messages: list[dict]  # the chat, in the serving template; empty for a raw prompt
     text: str | None = None  # a raw prompt (recall tasks): the module's opening
     # recall tasks: the prompt goes on with the opening's own tokens for its first `again` characters
-    # (datagen.prompt_ids), so that its last token is one the opening has at that place
+    # (datagen.recall_ids), so that its last token is one the opening has at that place
     again: int = 0
 
 
@@ -274,8 +274,8 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
     `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
     for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
     requests (write_tasks), `recall_fraction` raw recall prompts (recall_task, one per file at least as
-    long as the opening it draws, at least `recall_min_opening` characters); the others are drawn, one per file, as without those shares. Those two
-    shares take each file's first qualifying functions, so another seed mostly repeats them (reading
+    long as the opening it draws, of `recall_min_opening` characters or more); the others are drawn, one per
+    file, as without those shares. Those two shares take each file's first qualifying functions, so another seed mostly repeats them (reading
     files in another order); `function_offset` k skips the first k x PER_FILE of each file's, for new
     ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
     `workers` processes make them (0: one per CPU; parsing is nearly all of the time) and the tasks do
