@@ -35,6 +35,14 @@ for arm in a b; do
   ARM_DATA[$arm]=$DATA-$arm && rm -rf $DATA-$arm && mkdir -p $DATA-$arm
   ln -s $DATA/shard-*.safetensors $DATA/arm-$arm/shard-*.safetensors $DATA-$arm/
 done
+# DATA_SHARDS (a glob of shard names, e.g. "shard-more-1796329435-*"): arm a trains on those shards of the data
+# alone (an arm on one session's data, undiluted by the rest); the data itself stays whole
+if [ -n "${DATA_SHARDS:-}" ]; then
+  ls $DATA/$DATA_SHARDS >/dev/null 2>&1 || { echo "CHAIN_FAILED: no shard in $DATA matches $DATA_SHARDS"; exit 1; }
+  rm -rf $DATA-only && mkdir -p $DATA-only && ln -s $DATA/$DATA_SHARDS $DATA-only/
+  ARM_DATA[a]=$DATA-only
+  echo "=== $(date +%T) arm a trains on $(ls $DATA-only | wc -l) shards ($DATA_SHARDS)"
+fi
 # collect.sh brings the shards back (an arm's own in arm-a/, arm-b/), so later sessions can skip datagen
 [ -n "${NEW_DATA:-}" ] && tar czf $ROOT/data.tgz -C $DATA . && echo "=== $(date +%T) data packed: $(du -h $ROOT/data.tgz)"
 [ "${TRAIN:-1}" = 0 ] && { echo "CHAIN_DONE (TRAIN=0)"; exit 0; }
