@@ -11,9 +11,9 @@ from pathlib import Path
 
 from ..drafter import STORAGES
 from ..errors import UserError
-from .prompts import MAX_LONG_CHARS, PER_FILE, SHORT_TASKS
+from .prompts import MAX_LONG_CHARS, PER_FILE, SHORT_TASKS, longest_opening
 
-RECALL_LONGEST_OPENING = MAX_LONG_CHARS * 3 // 4  # recall_task's draw
+RECALL_LONGEST_OPENING = longest_opening(MAX_LONG_CHARS)
 
 
 def register(sub) -> None:

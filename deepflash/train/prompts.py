@@ -221,6 +221,11 @@ def long_task(rng: random.Random, path: Path | str, text: str, max_chars: int, k
     return Task(kind, str(path), [{"role": "user", "content": LONG_TASKS[kind].format(module=module, name=name)}])
 
 
+def longest_opening(max_chars: int) -> int:
+    """The longest opening recall_task draws: it leaves room for the repeat of at least a quarter of it."""
+    return max_chars * 3 // 4
+
+
 def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int,
                 min_opening: int | None = None) -> Task | None:
     """The module's opening, min_opening (default max_chars / 4)..3/4 of max_chars characters (about 1.8K to
@@ -232,7 +237,7 @@ def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int,
     drawn before the file is looked at (a file shorter than the draw gives none): drawn up to the file's
     length, most openings were short, as most files are (in the thirty-second session 0.4% of the target's
     copied 6-grams lay beyond 4096 tokens)."""
-    opening = rng.randint(min_opening or max_chars // 4, max_chars * 3 // 4)
+    opening = rng.randint(min_opening or max_chars // 4, longest_opening(max_chars))
     if len(text) < opening:
         return None
     first = text[:opening]
@@ -275,9 +280,9 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
     for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
     requests (write_tasks), `recall_fraction` raw recall prompts (recall_task, one per file at least as
     long as the opening it draws, of `recall_min_opening` characters or more); the others are drawn, one per
-    file, as without those shares. Those two shares take each file's first qualifying functions, so another seed mostly repeats them (reading
-    files in another order); `function_offset` k skips the first k x PER_FILE of each file's, for new
-    ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
+    file, as without those shares. Those two shares take each file's first qualifying functions, so another
+    seed mostly repeats them (reading files in another order); `function_offset` k skips the first
+    k x PER_FILE of each file's, for new ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
     `workers` processes make them (0: one per CPU; parsing is nearly all of the time) and the tasks do
     not depend on how many."""
     rng = random.Random(seed)
