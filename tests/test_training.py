@@ -482,6 +482,53 @@ def test_deep_eval_reads_the_held_out_sequences_that_copy_from_beyond_its_window
     assert trainer.deep_eval() == {}
 
 
+def _recall_shaped(gen, opening: int, again: int, response: int) -> Sequence:
+    """A recall prompt's shape: an opening, its own first `again` tokens, then a response."""
+    head = torch.randint(5, 90, (opening,), generator=gen)
+    tokens = torch.cat([head, head[:again], torch.randint(5, 90, (response,), generator=gen)])
+    return Sequence(tokens, torch.arange(len(tokens)) >= opening + again)
+
+
+def test_repeat_anchors_mark_a_prompts_repeat_of_its_opening_and_nothing_else():
+    from deepflash.train.repeats import MIN_REPEAT, repeat_start, with_repeat_anchors
+
+    gen = torch.Generator().manual_seed(3)
+    seq = _recall_shaped(gen, 600, 400, 30)
+    for at in (100, 700):  # the opening's first tokens once more inside it (and its repeat): a probe that fails
+        seq.tokens[at:at + 8] = seq.tokens[:8]
+    marked = with_repeat_anchors(seq)
+    assert torch.equal(marked.loss_mask, torch.arange(1030) >= 600) and not seq.loss_mask[600:1000].any()
+    assert repeat_start(seq.tokens, 1000) == 600
+    short = _recall_shaped(gen, 600, MIN_REPEAT - 1, 30)
+    assert with_repeat_anchors(short) is short
+    chat = Sequence(torch.randint(5, 90, (900,), generator=gen), torch.arange(900) >= 700)
+    assert with_repeat_anchors(chat) is chat
+    prompt_only = _recall_shaped(gen, 500, 300, 0)  # no response: the repeat runs to the end
+    assert torch.equal(with_repeat_anchors(prompt_only).loss_mask, torch.arange(800) >= 500)
+
+
+def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(dataset, tmp_path, monkeypatch):
+    from deepflash.train import repeats
+    from deepflash.train.shards import write_shard
+    from deepflash.train.trainer import sample_anchors
+
+    target, tok, data, _ = dataset
+    monkeypatch.setattr(repeats, "MIN_REPEAT", 16)
+    gen = torch.Generator().manual_seed(4)
+    (tmp_path / "recall").mkdir()
+    write_shard(tmp_path / "recall" / "shard-0000.safetensors", [_recall_shaped(gen, 60, 40, 20) for _ in range(8)],
+                read_all(data)[1])
+    tc = TrainConfig(data=str(tmp_path / "recall"), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4,
+                     anchors=64, steps=2, eval_fraction=0.25, attention="sdpa", mask_token_id=95, repeat_anchors=True)
+    trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    assert all(bool(s.loss_mask[60:100].all()) for s in trainer.train_seqs)
+    assert not any(bool(s.loss_mask[:100].any()) for s in trainer.eval_seqs)
+    anchors = sample_anchors(trainer.train_seqs[0], 64, torch.Generator().manual_seed(0))
+    assert int(anchors.min()) >= 60 and bool((anchors < 100).any())
+    counts = json.loads((trainer.run() / "training.json").read_text())["data"]
+    assert counts["repeat_tokens"] == 40 * len(trainer.train_seqs) and counts["response_tokens"] == 20 * len(trainer.train_seqs)
+
+
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     target, tok, data, _ = dataset
     tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4, anchors=16,

@@ -103,6 +103,11 @@ def register(sub) -> None:
                        help="train each block position on the KL divergence from the target's own next-token "
                             "distribution there (the frozen target computes it anyway) instead of CE on the "
                             "data's token; sampled responses then teach what the target would pick")
+    train.add_argument("--repeat-anchors", action="store_true",
+                       help="also anchor on a prompt's repeat of its own opening (the recall prompts' second copy, "
+                            "whose source lies the opening's length back): thousands of far-copy blocks per such "
+                            "sequence instead of its response's few; labels are the text's tokens, or with "
+                            "--distill the target's distributions. Held-out evaluation still scores responses")
     train.add_argument("--workers", type=int, default=1,
                        help="data-parallel training processes, averaging gradients every step; they take the GPUs "
                             "round-robin (several may share one, to overlap the steps' host work)")
@@ -221,6 +226,7 @@ def cmd_train(args) -> None:
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
+                     repeat_anchors=args.repeat_anchors,
                      attention_chunk=args.attention_chunk, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      storage=args.storage, ema=args.ema, device=args.device).validated()  # before the target loads
     if args.workers < 1:

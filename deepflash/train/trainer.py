@@ -56,6 +56,7 @@ from ..reach import copied_from_beyond
 from .loss import acceptance_by_position, block_loss, labelled, walked_acceptance
 from .masks import default_gamma, loss_weights
 from .parallel import Group
+from .repeats import with_repeat_anchors
 from .shards import Sequence, iter_batches, read_all, split_held_out
 
 
@@ -98,6 +99,7 @@ class TrainConfig:
     cudnn_attention: bool = False  # True: SDPA may use cuDNN attention, which plans per shape (9x slower steps)
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
     distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
+    repeat_anchors: bool = False  # True: anchors also on a prompt's repeat of its own opening (repeats.py)
     attention_chunk: int = 16  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
     storage: str | None = None  # the exported drafter's matrices: bf16 or int8 rows (drafter.save_drafter);
     # None: as the init_from drafter stores them, else bf16
@@ -245,6 +247,9 @@ class Trainer:
         self.group = group or Group()  # data-parallel workers (parallel.py); alone by default
         seqs, self.data_meta = read_all(Path(tc.data))
         self.eval_seqs, self.train_seqs = split_held_out(seqs, tc.eval_fraction)
+        self.repeat_tokens = 0  # loss positions --repeat-anchors added
+        if tc.repeat_anchors:
+            self._mark_repeats()
         self._deep_seqs: dict[int, list[Sequence]] = {}  # deep_eval's picks, by window
         trained_ctx = int(self.data_meta.get("max_len") or max(len(s) for s in seqs))
         mask = tc.mask_token_id if tc.mask_token_id is not None else \
@@ -308,6 +313,15 @@ class Trainer:
         return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.tc.weight_decay, "lr_scale": 1.0},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0,
                  "lr_scale": self.tc.norm_lr_scale}]
+
+    def _mark_repeats(self) -> None:
+        """--repeat-anchors: the training sequences' repeats of their openings become loss positions too
+        (repeats.py); evaluation keeps scoring responses alone, comparable with runs without it."""
+        marked = [with_repeat_anchors(s) for s in self.train_seqs]
+        added = [int(m.loss_mask.sum() - s.loss_mask.sum()) for m, s in zip(marked, self.train_seqs)]
+        self.train_seqs, self.repeat_tokens = marked, sum(added)
+        stderr.print(f"--repeat-anchors: {sum(added)} prompt positions of {sum(a > 0 for a in added)} sequences "
+                     "become anchor candidates")
 
     def lr_now(self) -> float:
         """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr_ratio."""
@@ -632,12 +646,14 @@ class Trainer:
         return folder
 
     def data_counts(self) -> dict[str, int]:
-        """What the data held: sequences trained on and held out, and their response (loss) tokens."""
+        """What the data held: sequences trained on and held out, their response tokens, and the prompt
+        positions --repeat-anchors added to the training sequences' loss positions."""
         def responses(seqs):
             return sum(int(s.loss_mask.sum()) for s in seqs)
 
         return {"sequences": len(self.train_seqs), "held_out": len(self.eval_seqs),
-                "response_tokens": responses(self.train_seqs), "held_out_response_tokens": responses(self.eval_seqs)}
+                "response_tokens": responses(self.train_seqs) - self.repeat_tokens,
+                "held_out_response_tokens": responses(self.eval_seqs), "repeat_tokens": self.repeat_tokens}
 
     # --- checkpoints --------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
