@@ -7,9 +7,11 @@
 #   collect.sh candidate  the run's own drafter where pick kept another (a later session can continue
 #                         it: carried as .stage/candidate, INIT_FROM=/root/stage/candidate; without it
 #                         the sixteenth session lost its 5-layer one)
-#   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter (arm-a.part*,
-#                         arm-b.part*; ~25 MB each) with the results, its config.json and training.json (the
-#                         checkpoint's step) as results/arm-*-config.json, -training.json (wait.sh runs this
+#   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter, its weight
+#                         average where it keeps one (the thirty-fifth and thirty-sixth sessions' came back as
+#                         last weights), arm-a.part*, arm-b.part* (~25 MB each), with the results, its
+#                         config.json and training.json (the checkpoint's step, and "weights": "ema" for the
+#                         average) as results/arm-*-config.json, -training.json (wait.sh runs this
 #                         before pick: the twenty-seventh session's machine went back before pick and both arms
 #                         were lost; the twenty-eighth's arm A shipped from these parts)
 #   collect.sh data [N]   the generated token shards, for the next session to carry (.stage/data.tgz.part*;
@@ -36,7 +38,9 @@ case "${1:-results}" in
       [ -f $run/checkpoint.pt ] || continue
       cp $run/train.jsonl /root/results/train-$arm.jsonl 2>/dev/null
       rm -rf /root/arm-$arm
-      deepflash train-drafter export --run $run --out /root/arm-$arm > /dev/null \
+      # the weight average where the run keeps one (what a pick would ship), else the latest weights
+      { deepflash train-drafter export --run $run --ema --out /root/arm-$arm > /dev/null 2>&1 \
+        || deepflash train-drafter export --run $run --out /root/arm-$arm > /dev/null; } \
         && split -b 15000000 -d /root/arm-$arm/model.safetensors "$OUT/arm-$arm.part" \
         && cp /root/arm-$arm/config.json /root/results/arm-$arm-config.json \
         && cp /root/arm-$arm/training.json /root/results/arm-$arm-training.json
