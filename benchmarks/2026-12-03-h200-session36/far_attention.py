@@ -76,7 +76,7 @@ def draft(drafter, target, ids, ctx_kv, anchor: int, window: int | None):
 
 def spans_mass(weights: torch.Tensor, low: int, anchor: int) -> dict:
     """Mass of weights [H, T, keys] (keys: context low..anchor-1, then the block) on the source span,
-    the control span and beyond 4096 back: per head, averaged over the block's queries."""
+    the control span and beyond 4096 and 1024 back: per head, averaged over the block's queries."""
     def mass(first, last):  # absolute positions first..last-1
         return weights[:, :, first - low:last - low].sum(-1).mean(-1)
     source = anchor - DISTANCE
