@@ -526,7 +526,8 @@ def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(data
     anchors = sample_anchors(trainer.train_seqs[0], 64, torch.Generator().manual_seed(0))
     assert int(anchors.min()) >= 60 and bool((anchors < 100).any())
     counts = json.loads((trainer.run() / "training.json").read_text())["data"]
-    assert counts["repeat_tokens"] == 40 * len(trainer.train_seqs) and counts["response_tokens"] == 20 * len(trainer.train_seqs)
+    trained = len(trainer.train_seqs)
+    assert counts["repeat_tokens"] == 40 * trained and counts["response_tokens"] == 20 * trained
 
 
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):

@@ -2,16 +2,17 @@
 
 Each prompt is a standard-library module's first DISTANCE tokens followed by the module again from its
 start (bench.prompts.recall_prompts' shape), so every token of the second copy has its source exactly
-DISTANCE tokens back. At anchors in the second copy the drafter drafts from the text's
-own target features (the block [text[a], MASK x 15] at positions a..a+15, context positions < a), with the
-whole context and with the context cut to its last 4096, 2048 and 1024 positions, as the engine's caps do.
-Per drafter it prints: draft accuracy per block position against the text and the acceptance length
-those drafts would get against it (1 + the leading run of matches), per window with a paired bootstrap
-interval over anchors, also on the anchors alone where the target's own teacher-forced greedy choice is
-the text at all 15 positions (there the text's acceptance is the real one); and, with the whole context, each layer's attention mass (queries and heads
-averaged, and the most source-bound head) on the source span (the 16 tokens the block copies and the one
-before), on a control span of the same width 300 tokens further back, and on everything beyond 4096 and
-1024 back. --distance and --length set the shape (default 4500 and 7700: the source beyond a 4096 cap).
+DISTANCE tokens back. At anchors in the second copy the drafter drafts from the text's own target features
+(the block [text[a], MASK x 15] at positions a..a+15, context positions < a), with the whole context and
+with the context cut to its last 4096, 2048 and 1024 positions, as the engine's caps do.
+Per drafter it prints: draft accuracy per block position against the text and the acceptance length those
+drafts would get against it (1 + the leading run of matches), per window with a paired bootstrap interval
+over anchors, also on the anchors alone where the target's own teacher-forced greedy choice is the text at
+all 15 positions (there the text's acceptance is the real one); and, with the whole context, each layer's
+attention mass (queries and heads averaged, and the most source-bound head) on the source span (the 16
+tokens the block copies and the one before), on a control span of the same width 300 tokens further back,
+and on everything beyond 4096 and 1024 back. --distance and --length set the shape (default 4500 and 7700:
+the source beyond a 4096 cap).
 
 PYTHONPATH=$PWD python benchmarks/2026-12-03-h200-session36/far_attention.py DRAFTER... [--prompts 4]
 Ends with one JSON line.
