@@ -27,6 +27,7 @@ import random
 import torch
 
 import deepflash.drafter as drafter_module
+from deepflash.bench.accept import paired_change
 from deepflash.bench.prompts import recall_prompts
 from deepflash.drafter import load_drafter
 from deepflash.models import load_target
@@ -85,15 +86,13 @@ def spans_mass(weights: torch.Tensor, low: int, anchor: int) -> dict:
             "beyond_4096": mass(low, max(low, anchor - 4096)), "beyond_1024": mass(low, anchor - 1024)}
 
 
+def per_anchor(lengths: list[int]) -> dict:
+    """Acceptance lengths as measure()'s rows (one step each), for bench.accept.paired_change."""
+    return {"per_prompt_steps_committed": [[1, n] for n in lengths]}
+
+
 def leading(matches: torch.Tensor) -> int:
     return int(matches.long().cumprod(0).sum())
-
-
-def bootstrap(base: list[float], other: list[float], resamples=2000) -> list[float]:
-    a, b = torch.tensor(base, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
-    picks = torch.randint(0, len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(0))
-    ratios = b[picks].mean(-1) / a[picks].mean(-1) - 1
-    return [round(float(x), 4) for x in torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64))]
 
 
 def measure(drafter, target, texts, features, anchors_per_text: int) -> dict:
@@ -124,7 +123,7 @@ def measure(drafter, target, texts, features, anchors_per_text: int) -> dict:
                "per_position_accuracy": [round(x, 4) for x in (hits[name] / count).tolist()]}
         if name != "full":
             row["vs_full"] = round(sum(al[name]) / sum(al["full"]) - 1, 4)
-            row["vs_full_ci95"] = bootstrap(al["full"], al[name])
+            row["vs_full_ci95"] = paired_change(per_anchor(al["full"]), per_anchor(al[name]))["ci95"]
         record[name] = row
     layers = []
     for i in range(len(masses[0])):

@@ -276,15 +276,15 @@ def training_tasks(count: int, long_fraction: float = 0.3, seed: int = 0, max_lo
                    write_fraction: float = 0.0, recall_fraction: float = 0.0, function_offset: int = 0,
                    workers: int = 1, recall_min_opening: int | None = None) -> list[Task]:
     """`count` tasks from site-packages; long ones span ~1K to ~7K tokens (about 3.6 chars per token);
-    `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests
-    for functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write"
-    requests (write_tasks), `recall_fraction` raw recall prompts (recall_task, one per file at least as
-    long as the opening it draws, of `recall_min_opening` characters or more); the others are drawn, one per
-    file, as without those shares. Those two shares take each file's first qualifying functions, so another
-    seed mostly repeats them (reading files in another order); `function_offset` k skips the first
-    k x PER_FILE of each file's, for new ones. Files are read in a seeded order and each file's tasks depend on it and the seed alone, so
-    `workers` processes make them (0: one per CPU; parsing is nearly all of the time) and the tasks do
-    not depend on how many."""
+    `weights`: the short tasks' kinds (short_task). `doctest_fraction` of them are "complete" requests for
+    functions whose docstrings carry doctest examples (doctest_tasks), `write_fraction` "write" requests
+    (write_tasks), `recall_fraction` raw recall prompts (recall_task, one per file at least as long as the
+    opening it draws, of `recall_min_opening` characters or more); the others are drawn, one per file, as
+    without those shares. Those two shares take each file's first qualifying functions, so another seed mostly
+    repeats them (reading files in another order); `function_offset` k skips the first k x PER_FILE of each
+    file's, for new ones. Files are read in a seeded order and each file's tasks depend on it and the seed
+    alone, so `workers` processes make them (0: one per CPU; parsing is nearly all of the time) and the tasks
+    do not depend on how many."""
     rng = random.Random(seed)
     files = site_package_files()
     if not files:

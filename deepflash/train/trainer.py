@@ -247,9 +247,6 @@ class Trainer:
         self.group = group or Group()  # data-parallel workers (parallel.py); alone by default
         seqs, self.data_meta = read_all(Path(tc.data))
         self.eval_seqs, self.train_seqs = split_held_out(seqs, tc.eval_fraction)
-        self.repeat_tokens = 0  # loss positions --repeat-anchors added
-        if tc.repeat_anchors:
-            self._mark_repeats()
         self._deep_seqs: dict[int, list[Sequence]] = {}  # deep_eval's picks, by window
         trained_ctx = int(self.data_meta.get("max_len") or max(len(s) for s in seqs))
         mask = tc.mask_token_id if tc.mask_token_id is not None else \
@@ -282,6 +279,9 @@ class Trainer:
             self._load_exported(start)
         self.averaged = AveragedModel(self.drafter, multi_avg_fn=get_ema_multi_avg_fn(tc.ema)) if tc.ema else None
         self.train_seqs = self.train_seqs[self.group.rank::self.group.world] or self.train_seqs
+        self.repeat_tokens = 0  # loss positions --repeat-anchors added (each worker marks its own share)
+        if tc.repeat_anchors:
+            self._mark_repeats()
         self.generator = torch.Generator().manual_seed(tc.seed + 1 + self.group.rank)
         self.attention = self._choose_attention()
         self.out = Path(tc.out)
