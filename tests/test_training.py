@@ -507,7 +507,7 @@ def test_repeat_anchors_mark_a_prompts_repeat_of_its_opening_and_nothing_else():
     assert torch.equal(with_repeat_anchors(prompt_only).loss_mask, torch.arange(800) >= 500)
 
 
-def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(dataset, tmp_path, monkeypatch):
+def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(dataset, tmp_path, monkeypatch, capsys):
     from deepflash.train import repeats
     from deepflash.train.shards import write_shard
     from deepflash.train.trainer import sample_anchors
@@ -519,8 +519,10 @@ def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(data
     write_shard(tmp_path / "recall" / "shard-0000.safetensors", [_recall_shaped(gen, 60, 40, 20) for _ in range(8)],
                 read_all(data)[1])
     tc = TrainConfig(data=str(tmp_path / "recall"), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4,
-                     anchors=64, steps=2, eval_fraction=0.25, attention="sdpa", mask_token_id=95, repeat_anchors=True)
+                     anchors=64, steps=2, eval_fraction=0.25, attention="sdpa", mask_token_id=95, repeat_anchors=True,
+                     long_share=0.5)
     trainer = Trainer(tc, target, tok, torch.device("cpu"))
+    assert "--long-share 0.5: an epoch takes 0 of the 0 batches" in capsys.readouterr().err  # all short here
     assert all(bool(s.loss_mask[60:100].all()) for s in trainer.train_seqs)
     assert not any(bool(s.loss_mask[:100].any()) for s in trainer.eval_seqs)
     anchors = sample_anchors(trainer.train_seqs[0], 64, torch.Generator().manual_seed(0))
@@ -528,6 +530,38 @@ def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(data
     counts = json.loads((trainer.run() / "training.json").read_text())["data"]
     trained = len(trainer.train_seqs)
     assert counts["repeat_tokens"] == 40 * trained and counts["response_tokens"] == 20 * trained
+
+
+def test_long_share_caps_the_long_batches_of_each_epoch_and_keeps_every_short_one():
+    """--long-share: an epoch has every short batch once and a fresh random subset of the long ones, at most
+    the share of its batches; without it (or with nothing short to train on) every batch, once."""
+    from deepflash.train.shards import iter_batches, length_batches, long_batches_kept
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [int(n) for n in torch.randint(20, 90, (60,), generator=gen)] + [150 + i for i in range(40)]
+    seqs = [Sequence(torch.randint(5, 90, (n,), generator=gen), torch.ones(n, dtype=torch.bool)) for n in lengths]
+
+    def keys(batches, long):
+        return sorted(tuple(map(id, b)) for b in batches if (len(b[-1]) > 100) == long)
+
+    batches = length_batches(seqs, 400)
+    short, long = keys(batches, False), keys(batches, True)
+    assert len(long) == 20 and len(short) >= 9
+    assert long_batches_kept(batches, 0.25, 100) == (round(len(short) / 3), 20)
+    epochs = []
+    shuffler = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        epoch = list(iter_batches(seqs, 400, shuffler, 0.25, 100))
+        drawn = keys(epoch, True)
+        assert keys(epoch, False) == short and len(drawn) == round(len(short) / 3) <= 0.25 * len(epoch)
+        assert len(set(drawn)) == len(drawn) and set(drawn) <= set(long)
+        epochs.append(tuple(drawn))
+    assert len(set(epochs)) > 1  # a fresh subset each epoch
+    whole = list(iter_batches(seqs, 400, torch.Generator().manual_seed(0)))
+    assert keys(whole, False) == short and keys(whole, True) == long
+    assert len(list(iter_batches(seqs[60:], 400, torch.Generator().manual_seed(0), 0.25, 100))) == 20
+    with pytest.raises(UserError, match="--long-share"):
+        TrainConfig(data="d", out="o", steps=1, long_share=1.0).validated()
 
 
 def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):

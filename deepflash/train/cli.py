@@ -108,6 +108,11 @@ def register(sub) -> None:
                             "whose source lies the opening's length back): thousands of far-copy blocks per such "
                             "sequence instead of its response's few; labels are the text's tokens, or with "
                             "--distill the target's distributions. Held-out evaluation still scores responses")
+    train.add_argument("--long-share", type=float, default=None,
+                       help="at most this share of an epoch's steps on batches of sequences longer than 4096 tokens "
+                            "(a random subset of them each epoch; default: all, as the data's tokens fall): "
+                            "batches are grouped by tokens, so a few thousand long recall prompts otherwise take "
+                            "most steps, and the short chats' share, which HumanEval AL follows, shrinks")
     train.add_argument("--workers", type=int, default=1,
                        help="data-parallel training processes, averaging gradients every step; they take the GPUs "
                             "round-robin (several may share one, to overlap the steps' host work)")
@@ -226,7 +231,7 @@ def cmd_train(args) -> None:
                      batch_tokens=args.batch_tokens, attention=args.attention, seed=args.seed, resume=args.resume,
                      init_from=args.init_from, norm_lr_scale=args.norm_lr_scale, grow_layers=args.grow_layers,
                      cudnn_attention=args.cudnn_attention, pad_to=args.pad_to, distill=args.distill,
-                     repeat_anchors=args.repeat_anchors,
+                     repeat_anchors=args.repeat_anchors, long_share=args.long_share,
                      attention_chunk=args.attention_chunk, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      storage=args.storage, ema=args.ema, device=args.device).validated()  # before the target loads
     if args.workers < 1:

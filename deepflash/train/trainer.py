@@ -57,7 +57,7 @@ from .loss import acceptance_by_position, block_loss, labelled, walked_acceptanc
 from .masks import default_gamma, loss_weights
 from .parallel import Group
 from .repeats import with_repeat_anchors
-from .shards import Sequence, iter_batches, read_all, split_held_out
+from .shards import Sequence, iter_batches, length_batches, long_batches_kept, read_all, split_held_out
 
 
 @dataclass
@@ -100,6 +100,7 @@ class TrainConfig:
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
     distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
     repeat_anchors: bool = False  # True: anchors also on a prompt's repeat of its own opening (repeats.py)
+    long_share: float | None = None  # at most this share of an epoch's batches hold sequences over DEEP_WINDOW
     attention_chunk: int = 16  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
     storage: str | None = None  # the exported drafter's matrices: bf16 or int8 rows (drafter.save_drafter);
     # None: as the init_from drafter stores them, else bf16
@@ -128,6 +129,8 @@ class TrainConfig:
             raise UserError(f"--attention-chunk must be >= 0, got {self.attention_chunk}")
         if self.pad_to < 0:
             raise UserError(f"--pad-to must be >= 0, got {self.pad_to}")
+        if self.long_share is not None and not 0 < self.long_share < 1:
+            raise UserError(f"--long-share must be between 0 and 1 (exclusive), got {self.long_share}")
         if self.storage is not None and self.storage not in STORAGES:
             raise UserError(f"--storage must be one of {', '.join(STORAGES)}, got {self.storage!r}")
         if self.norm_lr_scale <= 0:
@@ -205,7 +208,7 @@ MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as bo
 PART_QUERIES = 1 << 16
 # Trainer.deep_eval: held-out sequences that copy from beyond this many tokens back, read with the whole context
 # and with the drafter's window capped here (the sliding window of existing engines that lost acceptance on
-# deep prompts)
+# deep prompts); --long-share counts the sequences longer than this as long
 DEEP_WINDOW = 4096
 
 
@@ -282,6 +285,8 @@ class Trainer:
         self.repeat_tokens = 0  # loss positions --repeat-anchors added (each worker marks its own share)
         if tc.repeat_anchors:
             self._mark_repeats()
+        if tc.long_share is not None:
+            self._report_long_share()
         self.generator = torch.Generator().manual_seed(tc.seed + 1 + self.group.rank)
         self.attention = self._choose_attention()
         self.out = Path(tc.out)
@@ -322,6 +327,12 @@ class Trainer:
         self.train_seqs, self.repeat_tokens = marked, sum(added)
         stderr.print(f"--repeat-anchors: {sum(added)} prompt positions of {sum(a > 0 for a in added)} sequences "
                      "become anchor candidates")
+
+    def _report_long_share(self) -> None:
+        batches = length_batches(self.train_seqs, self.tc.batch_tokens)
+        kept, long = long_batches_kept(batches, self.tc.long_share, DEEP_WINDOW)
+        stderr.print(f"--long-share {self.tc.long_share}: an epoch takes {kept} of the {long} batches of sequences "
+                     f"longer than {DEEP_WINDOW} tokens, beside {len(batches) - long} others")
 
     def lr_now(self) -> float:
         """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr_ratio."""
@@ -554,7 +565,8 @@ class Trainer:
         with bar(TextColumn("{task.fields[info]}"), disable=not lead) as display:
             task = display.add_task("training drafter", total=1000, info="")
             while not self.finished:
-                for batch in iter_batches(self.train_seqs, self.tc.batch_tokens, self.generator):
+                for batch in iter_batches(self.train_seqs, self.tc.batch_tokens, self.generator, self.tc.long_share,
+                                          DEEP_WINDOW):
                     record = self.step(batch)
                     p = self.progress
                     display.update(task, completed=int(1000 * min(1.0, self.clock)),
