@@ -81,3 +81,5 @@ wait
 CANDIDATES="$RUN/drafter ${TRAIN_B:+$RUN-b/drafter}"
 # an arm trained with --ema (TRAIN_EXTRA, TRAIN_B) also exported its weight average: pick weighs it too
 for averaged in $RUN/drafter-ema $RUN-b/drafter-ema; do [ -d $averaged ] && CANDIDATES="$CANDIDATES $averaged"; done
+# MORE_CANDIDATES (drafter folders, e.g. the arm this one continued from with INIT_FROM): pick weighs them too
+CANDIDATES="$CANDIDATES ${MORE_CANDIDATES:-}"
