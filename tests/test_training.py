@@ -535,7 +535,7 @@ def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(data
 def test_long_share_caps_the_long_batches_of_each_epoch_and_keeps_every_short_one():
     """--long-share: an epoch has every short batch once and a fresh random subset of the long ones, at most
     the share of its batches; without it (or with nothing short to train on) every batch, once."""
-    from deepflash.train.shards import iter_batches, length_batches, long_batches_kept
+    from deepflash.train.shards import iter_batches, length_batches, long_batches_kept, split_long
 
     gen = torch.Generator().manual_seed(5)
     lengths = [int(n) for n in torch.randint(20, 90, (60,), generator=gen)] + [150 + i for i in range(40)]
@@ -547,7 +547,8 @@ def test_long_share_caps_the_long_batches_of_each_epoch_and_keeps_every_short_on
     batches = length_batches(seqs, 400)
     short, long = keys(batches, False), keys(batches, True)
     assert len(long) == 20 and len(short) >= 9
-    assert long_batches_kept(batches, 0.25, 100) == (round(len(short) / 3), 20)
+    assert [keys(part, flag) for part, flag in zip(split_long(batches, 100), (False, True))] == [short, long]
+    assert long_batches_kept(len(short), 20, 0.25) == round(len(short) / 3) and long_batches_kept(0, 20, 0.25) == 20
     epochs = []
     shuffler = torch.Generator().manual_seed(0)
     for _ in range(3):

@@ -5,7 +5,8 @@ the long ones --long-share would keep. Usage: python epoch_mix.py DATA_FOLDER (t
 import sys
 from collections import Counter
 
-from deepflash.train.shards import length_batches, long_batches_kept, read_all, read_shard, shard_paths, split_held_out
+from deepflash.train.shards import (length_batches, long_batches_kept, read_all, read_shard, shard_paths, split_held_out,
+                                    split_long)
 
 SOURCES = {"ex38": "thirty-eighth session's exercises", "1796329435": "thirty-fifth session's far recall",
            "1796321233": "thirty-fourth session's mix"}
@@ -26,6 +27,7 @@ for key in sorted(sequences):
 _, train = split_held_out(read_all(sys.argv[1])[0], 0.02)
 batches = length_batches(train, 16384)
 print(f"batches per epoch: {len(batches)}, by their longest sequence: {dict(Counter(band(len(b[-1])) for b in batches))}")
+short, long = split_long(batches, 4096)
 for share in (0.4, 0.5, 0.6):
-    kept, long = long_batches_kept(batches, share, 4096)
-    print(f"--long-share {share}: {kept} of the {long} long batches, beside {len(batches) - long} others")
+    print(f"--long-share {share}: {long_batches_kept(len(short), len(long), share)} of the {len(long)} long batches, "
+          f"beside {len(short)} others")

@@ -99,13 +99,16 @@ def length_batches(seqs: list[Sequence], batch_tokens: int) -> list[list[Sequenc
     return batches
 
 
-def long_batches_kept(batches: list[list[Sequence]], share: float, long_tokens: int) -> tuple[int, int]:
-    """(kept, all): how many of the batches whose longest sequence has more than long_tokens tokens an
-    epoch keeps so that they make up at most `share` of its batches; all of them when there is nothing
-    else to train on."""
-    long = sum(len(b[-1]) > long_tokens for b in batches)
-    short = len(batches) - long
-    return (min(long, round(share / (1 - share) * short)) if short else long), long
+def split_long(batches: list[list[Sequence]], long_tokens: int) -> tuple[list[list[Sequence]], list[list[Sequence]]]:
+    """(short, long): the batches whose longest sequence has at most, or more than, long_tokens tokens."""
+    long = [b for b in batches if len(b[-1]) > long_tokens]
+    return [b for b in batches if len(b[-1]) <= long_tokens], long
+
+
+def long_batches_kept(short: int, long: int, share: float) -> int:
+    """How many of `long` long batches an epoch keeps beside `short` others so that they make up at most
+    `share` of it; all of them when there is nothing else to train on."""
+    return min(long, round(share / (1 - share) * short)) if short else long
 
 
 def iter_batches(seqs: list[Sequence], batch_tokens: int, generator: torch.Generator,
@@ -116,9 +119,8 @@ def iter_batches(seqs: list[Sequence], batch_tokens: int, generator: torch.Gener
     thirty-eighth session's data) and the short chats' share, which HumanEval AL follows, shrinks."""
     batches = length_batches(seqs, batch_tokens)
     if long_share is not None:
-        kept, _ = long_batches_kept(batches, long_share, long_tokens)
-        long = [b for b in batches if len(b[-1]) > long_tokens]
-        chosen = torch.randperm(len(long), generator=generator)[:kept].tolist()
-        batches = [b for b in batches if len(b[-1]) <= long_tokens] + [long[i] for i in chosen]
+        short, long = split_long(batches, long_tokens)
+        chosen = torch.randperm(len(long), generator=generator)[:long_batches_kept(len(short), len(long), long_share)]
+        batches = short + [long[i] for i in chosen.tolist()]
     for j in torch.randperm(len(batches), generator=generator).tolist():
         yield batches[j]

@@ -57,7 +57,7 @@ from .loss import acceptance_by_position, block_loss, labelled, walked_acceptanc
 from .masks import default_gamma, loss_weights
 from .parallel import Group
 from .repeats import with_repeat_anchors
-from .shards import Sequence, iter_batches, length_batches, long_batches_kept, read_all, split_held_out
+from .shards import Sequence, iter_batches, length_batches, long_batches_kept, read_all, split_held_out, split_long
 
 
 @dataclass
@@ -329,10 +329,10 @@ class Trainer:
                      "become anchor candidates")
 
     def _report_long_share(self) -> None:
-        batches = length_batches(self.train_seqs, self.tc.batch_tokens)
-        kept, long = long_batches_kept(batches, self.tc.long_share, DEEP_WINDOW)
-        stderr.print(f"--long-share {self.tc.long_share}: an epoch takes {kept} of the {long} batches of sequences "
-                     f"longer than {DEEP_WINDOW} tokens, beside {len(batches) - long} others")
+        short, long = split_long(length_batches(self.train_seqs, self.tc.batch_tokens), DEEP_WINDOW)
+        kept = long_batches_kept(len(short), len(long), self.tc.long_share)
+        stderr.print(f"--long-share {self.tc.long_share}: an epoch takes {kept} of the {len(long)} batches of "
+                     f"sequences longer than {DEEP_WINDOW} tokens, beside {len(short)} others")
 
     def lr_now(self) -> float:
         """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr_ratio."""
