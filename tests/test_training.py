@@ -586,6 +586,7 @@ def test_training_lowers_loss_and_exports_a_working_drafter(dataset, tmp_path):
     assert (tmp_path / "exported" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
     exported = json.loads((tmp_path / "exported" / "training.json").read_text())
     assert exported["steps"] == 40 and exported["last_eval"] == trainer.progress.history[-1]
+    assert exported["train_config"] == json.loads((folder / "training.json").read_text())["train_config"]
     prompt = [5, 9, 22, 31]
     params = SamplingParams(max_new_tokens=20)
     spec = Engine(target, tok, drafter, spec="on").complete(prompt, params)

@@ -266,7 +266,9 @@ def cmd_export(args) -> None:
     drafter.load_state_dict(weights)
     drafter = fold_feature_scale(drafter, state["feature_scale"])
     folder = save_drafter(drafter, args.out, storage=args.storage)
-    # which step this is: an export made while the run trains (collect.sh arms) cannot tell otherwise
-    summary = {"checkpoint": str(path), **Progress(**state["progress"]).summary("ema" if args.ema else None)}
+    # which step this is and how the run was set up: an export made while the run trains (collect.sh arms,
+    # which a session may ship by hand) cannot tell otherwise
+    summary = {"checkpoint": str(path), "train_config": state["train_config"],
+               **Progress(**state["progress"]).summary("ema" if args.ema else None)}
     (folder / "training.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({"drafter": str(folder)}))

@@ -672,7 +672,7 @@ class Trainer:
         path = self.out / "checkpoint.pt"
         tmp = path.with_suffix(".tmp")
         torch.save({"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                    "progress": asdict(self.progress), "config": self.cfg.to_hf(),
+                    "progress": asdict(self.progress), "config": self.cfg.to_hf(), "train_config": asdict(self.tc),
                     "feature_scale": self.feature_scale,
                     "averaged": self.averaged.state_dict() if self.averaged is not None else None,
                     "generator": self.generator.get_state()}, tmp)
