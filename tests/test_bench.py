@@ -54,6 +54,7 @@ def test_accept_counts_only_its_timed_pass():
     assert out["spec_steps"] == sum(r.spec.steps for r in once)
     assert out["per_prompt_steps_committed"] == [[r.spec.steps, r.spec.committed] for r in once]
     assert outputs == [r.token_ids for r in once]
+    assert out["decode_tok_per_s"] > out["tok_per_s"]  # decode time excludes each request's prefill
 
 
 def test_paired_change_of_acceptance_with_its_interval():
