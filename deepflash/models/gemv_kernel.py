@@ -53,6 +53,12 @@ DTYPES = (torch.bfloat16, torch.float32)
 # was the fastest of seven on SmolLM2-135M's projections (scripts/gpu/gemv_bench.py, nineteenth session).
 CONFIGS = ((None, (64, 64, 4, 6)),)
 WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
+# Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
+# In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
+# its q/k/v and gate/up (9 slices) 0.3-0.5 us slower. From 17 slices (the down projections alone): a plain
+# step's device time 791 -> 763 us, a spec step's 1099 -> 1070 (profile_step.py --short; BENCHMARKS.md,
+# fortieth session). The sums and their order are the same either way.
+UNROLL_FROM = 17
 MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
 NORM, ADD_NORM, SILU, PLAIN = 0, 1, 2, 3  # the prologue (PLAIN: none)
 
@@ -135,7 +141,8 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
         x.contiguous(), delta.contiguous(), gain, total, weight, weight if bias is None else bias, out,
         partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode,
         HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, launch_pdl=dependent)
+        BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=UNROLL_FROM is not None and slices >= UNROLL_FROM,
+        num_warps=warps, num_stages=stages, launch_pdl=dependent)
     return out
 
 
@@ -175,11 +182,18 @@ if triton is not None:
         tl.store(out + r[:, None] * n + cols[None, :], acc.to(out.dtype.element_ty),
                  mask=(r < rows)[:, None] & (cols < n)[None, :])
 
+    @triton.jit
+    def _parked(partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES: tl.constexpr):
+        """Slice j's parked sums [16, BLOCK_N] and squares [16], through L2 (".cg"): other SMs wrote them."""
+        sums = tl.load(partial + (j * rows + r[:, None]) * n + cols[None, :], mask=tile, other=0.0,
+                       cache_modifier=".cg")
+        return sums, tl.load(partial_squares + (block * SLICES + j) * 16 + r, cache_modifier=".cg")
+
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
     def _gemv(x, delta, gain, total, weight, bias, out, partial, partial_squares, arrivals, rows, n, eps,
               WIDTH: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
               GDC: tl.constexpr, SLICES: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
             tl.extra.cuda.gdc_wait()
         block, piece = tl.program_id(0), tl.program_id(1)
@@ -210,9 +224,15 @@ if triton is not None:
             if tl.atomic_add(arrivals + block, 1, sem="acq_rel", scope="gpu") == SLICES - 1:
                 acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
                 squares = tl.zeros([16], dtype=tl.float32)
-                for j in range(SLICES):  # through L2 (".cg"): other SMs wrote them
-                    acc += tl.load(partial + (j * rows + r[:, None]) * n + cols[None, :], mask=tile, other=0.0,
-                                   cache_modifier=".cg")
-                    squares += tl.load(partial_squares + (block * SLICES + j) * 16 + r, cache_modifier=".cg")
+                if UNROLL:  # every slice's loads in flight at once; the same sums in the same order
+                    for j in tl.static_range(SLICES):
+                        sums, sq = _parked(partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES)
+                        acc += sums
+                        squares += sq
+                else:
+                    for j in range(SLICES):
+                        sums, sq = _parked(partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES)
+                        acc += sums
+                        squares += sq
                 tl.atomic_xchg(arrivals + block, 0)  # ready for the next call
                 _finish(acc, squares, bias, out, rows, n, r, cols, eps, WIDTH, MODE, HAS_BIAS)
