@@ -184,6 +184,24 @@ def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unrolled_reduction_adds_the_same_sums(dtype, monkeypatch):
+    """gemv_kernel.UNROLL_FROM changes only how the last slice's loop over the parked sums is compiled: a
+    split projection gives the same bits rolled and unrolled, at 1 row and at 16."""
+    from deepflash.models import gemv_kernel
+    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+
+    monkeypatch.setattr(gemv_kernel, "WAVES", 64)  # the most slices the tests' reductions split into
+    a = projection_inputs(16, dtype, seed=5)
+    outputs = {}
+    for unroll in (None, 2):
+        monkeypatch.setattr(gemv_kernel, "UNROLL_FROM", unroll)
+        outputs[unroll] = [call(sl) for sl in (slice(0, 1), slice(0, 16)) for call in (
+            lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
+            lambda sl: silu_linear(a["gate_up"][sl], a["weight"]))]
+    assert all(torch.equal(rolled, unrolled) for rolled, unrolled in zip(outputs[None], outputs[2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     """Greedy speculative == greedy plain with the target on its Triton kernels (on the GPU also under
     CUDA graphs), against plain decode on the same kernels; in float32 also on torch's kernels (in bf16
