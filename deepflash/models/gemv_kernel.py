@@ -183,11 +183,12 @@ if triton is not None:
                  mask=(r < rows)[:, None] & (cols < n)[None, :])
 
     @triton.jit
-    def _parked(partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES: tl.constexpr):
-        """Slice j's parked sums [16, BLOCK_N] and squares [16], through L2 (".cg"): other SMs wrote them."""
+    def _add_parked(acc, squares, partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES: tl.constexpr):
+        """acc and squares plus slice j's parked sums [16, BLOCK_N] and squares [16], read through L2 (".cg"):
+        other SMs wrote them."""
         sums = tl.load(partial + (j * rows + r[:, None]) * n + cols[None, :], mask=tile, other=0.0,
                        cache_modifier=".cg")
-        return sums, tl.load(partial_squares + (block * SLICES + j) * 16 + r, cache_modifier=".cg")
+        return acc + sums, squares + tl.load(partial_squares + (block * SLICES + j) * 16 + r, cache_modifier=".cg")
 
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
     def _gemv(x, delta, gain, total, weight, bias, out, partial, partial_squares, arrivals, rows, n, eps,
@@ -226,13 +227,11 @@ if triton is not None:
                 squares = tl.zeros([16], dtype=tl.float32)
                 if UNROLL:  # every slice's loads in flight at once; the same sums in the same order
                     for j in tl.static_range(SLICES):
-                        sums, sq = _parked(partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES)
-                        acc += sums
-                        squares += sq
+                        acc, squares = _add_parked(acc, squares, partial, partial_squares, j, block, rows, n, r,
+                                                   cols, tile, SLICES)
                 else:
                     for j in range(SLICES):
-                        sums, sq = _parked(partial, partial_squares, j, block, rows, n, r, cols, tile, SLICES)
-                        acc += sums
-                        squares += sq
+                        acc, squares = _add_parked(acc, squares, partial, partial_squares, j, block, rows, n, r,
+                                                   cols, tile, SLICES)
                 tl.atomic_xchg(arrivals + block, 0)  # ready for the next call
                 _finish(acc, squares, bias, out, rows, n, r, cols, eps, WIDTH, MODE, HAS_BIAS)
