@@ -49,9 +49,14 @@ OUTPUT_PROJECTIONS = True
 # is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
 MAX_WEIGHT_BYTES = 8 << 20
 DTYPES = (torch.bfloat16, torch.float32)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of weight rows, the smallest first: 64x64x4x6
-# was the fastest of seven on SmolLM2-135M's projections (scripts/gpu/gemv_bench.py, nineteenth session).
-CONFIGS = ((None, (64, 64, 4, 6)),)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the width of the reduction, the smallest first. Of seven
+# configurations at 1 and 16 rows (scripts/gpu/gemv_bench.py, BENCHMARKS.md forty-first session), on
+# SmolLM2-135M's 576-wide projections 32x128x4x4 was the fastest (1 / 16 rows, us: q/k/v 3.93 / 4.09,
+# gate/up 4.95 / 5.25, o 2.96 / 2.96, against 64x64x4x6's 4.01 / 4.49, 5.31 / 6.68, 3.23 / 3.24): twice as
+# many column blocks, each reduction split in half as many slices, so half the float32 sums parked per row.
+# Its 1536-wide down projection keeps 64x64x4x6, the fastest at 1 row (4.57 / 5.95 us; 32x128x4x4 5.79 / 6.12).
+# On the embedded pair: spec +2.5-5.0% tok/s, plain +0.5-1.3% (scripts/gpu/kernels_ab.py).
+CONFIGS = ((1024, (32, 128, 4, 4)), (None, (64, 64, 4, 6)))
 WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
 # Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
 # In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
@@ -101,8 +106,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
-def config(n: int) -> tuple[int, int, int, int]:
-    return next(c for limit, c in CONFIGS if limit is None or n <= limit)
+def config(width: int) -> tuple[int, int, int, int]:
+    return next(c for limit, c in CONFIGS if limit is None or width <= limit)
 
 
 @functools.cache
@@ -124,7 +129,7 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=weight.dtype, device=x.device)
     upcast = weight.dtype == torch.float32 or INTERPRETED
-    block_n, block_k, warps, stages = config(n)
+    block_n, block_k, warps, stages = config(width)
     # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
     block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
     blocks = triton.cdiv(n, block_n)
