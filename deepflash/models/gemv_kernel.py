@@ -49,7 +49,7 @@ OUTPUT_PROJECTIONS = True
 # is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
 MAX_WEIGHT_BYTES = 8 << 20
 DTYPES = (torch.bfloat16, torch.float32)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the width of the reduction, the smallest first. Of seven
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the width of the reduction, the smallest first. Of eleven
 # configurations at 1 and 16 rows (scripts/gpu/gemv_bench.py, BENCHMARKS.md forty-first session), on
 # SmolLM2-135M's 576-wide projections 32x128x4x4 was the fastest (1 / 16 rows, us: q/k/v 3.93 / 4.09,
 # gate/up 4.95 / 5.25, o 2.96 / 2.96, against 64x64x4x6's 4.01 / 4.49, 5.31 / 6.68, 3.23 / 3.24): twice as
