@@ -60,7 +60,7 @@ CONFIGS = ((1024, (32, 128, 4, 4)), (None, (64, 64, 4, 6)))
 WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
 # Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
 # In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
-# its q/k/v and gate/up (9 slices) 0.3-0.5 us slower. From 17 slices (the down projections alone): a plain
+# its q/k/v and gate/up (9 slices at 64x64x4x6) 0.3-0.5 us slower. From 17 slices (the down projections): a plain
 # step's device time 791 -> 763 us, a spec step's 1099 -> 1070 (profile_step.py --short; BENCHMARKS.md,
 # fortieth session). The sums and their order are the same either way.
 UNROLL_FROM = 17
