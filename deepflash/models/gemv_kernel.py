@@ -47,16 +47,23 @@ OUTPUT_PROJECTIONS = True
 # Larger weights take torch's GEMM: it streams them at 0.7-0.99 of the copy bandwidth where these
 # kernels reached 0.13-0.33 (Qwen3-8B's projections, 48-192 MB); up to SmolLM2-135M's 3.4 MB the time
 # is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
+# With the weight first (CONFIGS) they reach 0.60-0.92 on Qwen3-8B's, with their prologues about what the
+# separate kernels and torch's GEMM cost, and slower than the GEMM alone except on the o projection
+# (forty-second session).
 MAX_WEIGHT_BYTES = 8 << 20
 DTYPES = (torch.bfloat16, torch.float32)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the width of the reduction, the smallest first. Of eleven
-# configurations at 1 and 16 rows (scripts/gpu/gemv_bench.py, BENCHMARKS.md forty-first session), on
-# SmolLM2-135M's 576-wide projections 32x128x4x4 was the fastest (1 / 16 rows, us: q/k/v 3.93 / 4.09,
-# gate/up 4.95 / 5.25, o 2.96 / 2.96, against 64x64x4x6's 4.01 / 4.49, 5.31 / 6.68, 3.23 / 3.24): twice as
-# many column blocks, each reduction split in half as many slices, so half the float32 sums parked per row.
-# Its 1536-wide down projection keeps 64x64x4x6, the fastest at 1 row (4.57 / 5.95 us; 32x128x4x4 5.79 / 6.12).
-# On the embedded pair: spec +2.5-5.0% tok/s, plain +0.5-1.3% (scripts/gpu/kernels_ab.py).
-CONFIGS = ((1024, (32, 128, 4, 4)), (None, (64, 64, 4, 6)))
+# (widest reduction, most outputs, (BLOCK_N, BLOCK_K, num_warps, num_stages, weight first)): the first entry
+# whose bounds a weight [outputs, reduction] is within. Weight first: the product is weight tile @ rows.T, the
+# weight on the M side, where Hopper's wgmma runs (M >= 64; 16 rows on that side take mma.sync). Measured on
+# SmolLM2-135M's projections (scripts/gpu/gemv_bench.py, us at 1 / 16 rows; BENCHMARKS.md forty-second
+# session): q/k/v 64x128x4x4 weight first 3.71 / 4.01 against 3.97 / 4.13; the down projection 32x128x4x4
+# weight first 4.49 / 4.95 against 64x64x4x6's 4.59 / 5.97 (the 16-row penalty of its 24 slices' parked sums
+# was most of that); gate/up and o keep 32x128x4x4 (forty-first session: fastest at both row counts there; the
+# weight-first forms measured were faster at 1 row and slower at 16).
+CONFIGS = ((1024, 640, (32, 128, 4, 4, False)),  # o (576 outputs)
+           (1024, 1024, (64, 128, 4, 4, True)),  # q/k/v (960)
+           (1024, None, (32, 128, 4, 4, False)),  # gate/up (3072)
+           (None, None, (32, 128, 4, 4, True)))  # down (1536 wide)
 WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
 # Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
 # In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
@@ -106,8 +113,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
-def config(width: int) -> tuple[int, int, int, int]:
-    return next(c for limit, c in CONFIGS if limit is None or width <= limit)
+def config(width: int, outputs: int) -> tuple[int, int, int, int, bool]:
+    return next(c for max_width, max_outputs, c in CONFIGS
+                if (max_width is None or width <= max_width) and (max_outputs is None or outputs <= max_outputs))
 
 
 @functools.cache
@@ -129,14 +137,17 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=weight.dtype, device=x.device)
     upcast = weight.dtype == torch.float32 or INTERPRETED
-    block_n, block_k, warps, stages = config(width)
+    block_n, block_k, warps, stages, weight_first = config(width, n)
     # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
     block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
     blocks = triton.cdiv(n, block_n)
     assert blocks <= MAX_BLOCKS, (n, block_n)
     # no prologue: each program walks its whole reduction, whose loads then pipeline (SmolLM2's o
-    # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session)
-    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, 0 if mode == PLAIN else WAVES)
+    # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session); a weight
+    # too large for the engine to send here (gemv_bench.py's Qwen3-8B o projection) splits: whole, its 32
+    # column blocks would leave most SMs idle
+    whole = mode == PLAIN and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, 0 if whole else WAVES)
     # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
     squares_at = slices * rows * n if slices > 1 else 0
     partial = torch.empty(squares_at + slices * blocks * TILE, dtype=torch.float32, device=x.device)
@@ -147,7 +158,7 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
         partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode,
         HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
         BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=UNROLL_FROM is not None and slices >= UNROLL_FROM,
-        num_warps=warps, num_stages=stages, launch_pdl=dependent)
+        WEIGHT_FIRST=weight_first and not upcast, num_warps=warps, num_stages=stages, launch_pdl=dependent)
     return out
 
 
@@ -199,13 +210,16 @@ if triton is not None:
     def _gemv(x, delta, gain, total, weight, bias, out, partial, partial_squares, arrivals, rows, n, eps,
               WIDTH: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
               GDC: tl.constexpr, SLICES: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+              BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WEIGHT_FIRST: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
             tl.extra.cuda.gdc_wait()
         block, piece = tl.program_id(0), tl.program_id(1)
         r = tl.arange(0, 16)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        if WEIGHT_FIRST:  # the products transposed, [BLOCK_N, 16], until the loop ends
+            acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        else:
+            acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         squares = tl.zeros([16], dtype=tl.float32)
         for k0 in range(0, SPAN, BLOCK_K):
             k = piece * SPAN + k0 + tl.arange(0, BLOCK_K)
@@ -216,8 +230,12 @@ if triton is not None:
             if UPCAST:  # float32 weights (tf32 would round them), or bfloat16 in the interpreter (decode_kernel.py):
                 # products summed per row, where numpy's matrix product rounds a row by its place in the tile
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            elif WEIGHT_FIRST:
+                acc = tl.dot(w, tl.trans(a), acc)
             else:
                 acc += tl.dot(a, tl.trans(w))
+        if WEIGHT_FIRST:
+            acc = tl.trans(acc)
         if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
             tl.extra.cuda.gdc_launch_dependents()
         if SLICES == 1:

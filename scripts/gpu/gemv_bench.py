@@ -2,13 +2,13 @@
 kernels they replace (layer_kernels' add + norm or silu * up, then torch's GEMM) and torch's GEMM alone:
 device time per call (CUDA graphs; the calls cycle over enough copies of the weight that it is read from
 memory, as in a model, not from L2) and the weight bytes per second as a fraction of the device copy
-bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages) of --configs with each programs-per-SM target of
---waves (gemv_kernel.WAVES: how far the reduction is split) is timed; the best is reported, with its
-largest difference from the separate kernels' output relative to that output's largest magnitude.
+bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages, weight first) of --configs with each programs-per-SM
+target of --waves (gemv_kernel.WAVES: how far the reduction is split) is timed; the best is reported, with
+its largest difference from the separate kernels' output relative to that output's largest magnitude.
 Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
 in bf16.
-Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,...] [--waves 4,8] [--rows 1,16] [--models smollm2]
-[--out F]
+Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,64x128x4x4w,...] [--waves 4,8] [--rows 1,16]
+[--models smollm2] [--out F]
 Ends with one JSON line."""
 
 import argparse
@@ -70,14 +70,15 @@ def cycled(call, weights):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES,...")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES[w],...")
     ap.add_argument("--waves", default="4,8", help="gemv_kernel.WAVES values")
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--models", default=",".join(MODELS), help="of " + ", ".join(MODELS))
     ap.add_argument("--out")
     args = ap.parse_args()
     bandwidth = copy_bandwidth(torch.device(DEVICE))
-    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    # a trailing "w": the weight as the product's first operand (gemv_kernel.CONFIGS)
+    configs = [(*map(int, c.rstrip("w").split("x")), c.endswith("w")) for c in args.configs.split(",")]
     variants = [(c, int(w)) for c in configs for w in args.waves.split(",")]
     kept = gemv_kernel.CONFIGS, gemv_kernel.WAVES
     results = []
@@ -91,8 +92,8 @@ def main():
                    "gemm_only_us": 1e6 * graph_seconds(cycled(gemm, weights), calls=1) / copies, "fused_us": {}}
             errors, want = {}, separate(weights[0]).float()
             for config, waves in variants:
-                gemv_kernel.CONFIGS, gemv_kernel.WAVES = ((None, config),), waves
-                variant = f"{'x'.join(map(str, config))} waves {waves}"
+                gemv_kernel.CONFIGS, gemv_kernel.WAVES = ((None, None, config),), waves
+                variant = f"{'x'.join(map(str, config[:4]))}{'w' if config[4] else ''} waves {waves}"
                 row["fused_us"][variant] = 1e6 * graph_seconds(cycled(fused, weights), calls=1) / copies
                 got = fused_output(fused, weights[0]).float()
                 errors[variant] = ((got - want).abs().max() / want.abs().max()).item()
