@@ -103,6 +103,7 @@ class Launched:
     region: int = 0  # the context region the controller decided it in (SpecController.use_spec)
     timed: bool = True  # False: one-off work (a capture, the drafter's catch-up) or other steps' host work
     # ran during it, its time is not its cost
+    phases: int = 0  # PhaseTimer entries up to and including this step's
 
 
 class Engine:
@@ -174,24 +175,34 @@ class Engine:
         self._last_collect = t1
         inflight: deque[Launched] = deque()
         self._fill(seq, inflight, timer)
+        collected = 0  # PhaseTimer entries of the steps collected
         while inflight:
-            committed = self._collect(seq, inflight.popleft(), spec)
+            launched = inflight.popleft()
+            committed = self._collect(seq, launched, spec)
+            collected = launched.phases
             # queue the next step before the host digests this one, so the GPU always has the next
-            # step waiting; steps queued past the end of the output are simply discarded
-            self._fill(seq, inflight, timer)
+            # step waiting; not after a stop token, where the output ends (a stop string ends it later)
+            if self.stop_ids.isdisjoint(committed):
+                self._fill(seq, inflight, timer)
             self._postprocess(seq, committed)
             yield Chunk(seq.tracker.stream(), self._take_new(seq))
             if seq.tracker.finished:
                 break
-        if inflight and inflight[-1].ready is not None:
-            inflight[-1].ready.synchronize()
+        # steps still in flight run past the output's end: their results are discarded and the result does
+        # not wait for them (the next request's first device work queues behind them: its prefill time)
         decode_s = time.perf_counter() - t1
         if spec is not None:
-            phases = timer.collect()
+            phases = timer.collect(collected)
             spec.draft_s, spec.verify_s = phases.get("draft", 0.0), phases.get("verify", 0.0)
         result = Result(seq.tracker.text, seq.tracker.tokens, len(prompt_ids), seq.tracker.finish_reason,
                         prefill_s, decode_s, None if params.greedy else params.seed, spec)
         yield Chunk(seq.tracker.stream(), [], result)
+
+    def wait_idle(self) -> None:
+        """Wait for the steps generate left queued past an output's end (it returns without them): a
+        benchmark counts them in the request's wall time."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> Result:
         for chunk in self.generate(prompt_ids, params):
@@ -306,7 +317,7 @@ class Engine:
             ready = torch.cuda.Event()
             ready.record()
         return Launched(kind, size, began, host, ready, time.perf_counter() - began, region,
-                        timed=not (captured or switched))
+                        timed=not (captured or switched), phases=len(timer.pending))
 
     def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> bool:
         """Before drafting: give the drafter the context K/V of the positions plain steps committed

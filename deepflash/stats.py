@@ -92,10 +92,14 @@ class PhaseTimer:
         self.pending.append((name, begin, self._mark()))
         self._open = None
 
-    def collect(self) -> dict[str, float]:
-        if self.cuda and self.pending:
-            torch.cuda.synchronize()
-        for name, begin, end in self.pending:
+    def collect(self, count: int | None = None) -> dict[str, float]:
+        """Add the first `count` pending phases (all when None) to the totals; the rest are dropped unread,
+        so that nothing waits for work whose results are not used (Engine.generate's steps queued past the
+        output's end). The phases ran in order on one stream: their last one's end is the one to wait for."""
+        counted = self.pending[:count]
+        if self.cuda and counted:
+            counted[-1][2].synchronize()
+        for name, begin, end in counted:
             seconds = begin.elapsed_time(end) / 1000 if self.cuda else end - begin
             self.totals[name] = self.totals.get(name, 0.0) + seconds
         self.pending.clear()

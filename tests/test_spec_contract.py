@@ -2,6 +2,7 @@
 for any drafter (random weights included), block size, prompt length and stop condition."""
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from deepflash.drafter import DrafterContext
 from deepflash.engine import Engine
 from deepflash.sampling import SamplingParams
+from deepflash.stats import PhaseTimer
 from helpers import EOS, drafter_config, oracle, tiny_drafter, tiny_target, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
@@ -73,6 +75,35 @@ def test_stop_token_and_string_inside_a_block(monkeypatch):
     base.stop_ids = engine.stop_ids
     want = base.complete(ids, SamplingParams(max_new_tokens=60))
     assert out.token_ids == want.token_ids and out.token_ids[-1] == stop_token and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("use_drafter", [False, True])
+def test_no_step_is_queued_after_a_stop_token(use_drafter):
+    """A committed stop token ends the output: the step queued before it was known is the only one
+    launched past the end (generate returns without waiting for it), and draft and verify times count the
+    collected steps alone."""
+    ids = prompt(9)
+    stop_token = plain(ids, SamplingParams(max_new_tokens=60)).token_ids[13]
+    drafter = tiny_drafter(drafter_config(TARGET.cfg)) if use_drafter else None
+    engine = Engine(TARGET, TOKENIZER, drafter, spec="on")
+    engine.stop_ids = frozenset({stop_token, EOS})
+    out = engine.complete(ids, SamplingParams(max_new_tokens=60))
+    assert out.token_ids[-1] == stop_token and out.finish_reason == "stop"
+    collected = out.spec.steps + out.spec.plain_steps if use_drafter else len(out.token_ids) - 1
+    assert engine.launches == collected + 1
+    if use_drafter:
+        assert 0 < out.spec.draft_s and 0 < out.spec.verify_s
+
+
+def test_phase_times_count_only_the_phases_asked_for():
+    timer = PhaseTimer(torch.device("cpu"))
+    for name, seconds in (("draft", 0.0), ("verify", 0.02), ("verify", 0.2)):
+        timer.start(name)
+        time.sleep(seconds)
+        timer.stop()
+    totals = timer.collect(2)
+    assert set(totals) == {"draft", "verify"} and 0.02 <= totals["verify"] < 0.2
+    assert not timer.pending and timer.collect() == totals
 
 
 def test_context_limit_inside_a_block(monkeypatch):

@@ -41,6 +41,7 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
                                seed=i if seeded else params.seed)
             began = time.perf_counter()
             r = engine.complete(ids, p)
+            engine.wait_idle()
             if timed:
                 wall += time.perf_counter() - began
                 decode += r.decode_s

@@ -38,6 +38,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new: int, params: S
     for ids in prompts:
         began = time.perf_counter()
         r = engine.complete(ids, params)
+        engine.wait_idle()
         elapsed = time.perf_counter() - began
         wall += elapsed
         decode += r.decode_s

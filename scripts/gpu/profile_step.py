@@ -21,6 +21,7 @@ LONG_PROMPT = [100 + i % 40000 for i in range(5800)]
 def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
     params = SamplingParams(max_new_tokens=steps)
     engine.complete(prompt, params)
+    engine.wait_idle()  # the steps it left queued past its end run before the profile
     cuda = torch.cuda.is_available()
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU  # CPU: a dry run only
