@@ -15,9 +15,13 @@ DEVICE = triton_device()
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_triton_kernels_match_torch_in_the_model(qk_norm, partial):
+@pytest.mark.parametrize("rope_tokens", [1, 4])
+def test_triton_kernels_match_torch_in_the_model(qk_norm, partial, rope_tokens, monkeypatch):
     """Prefill then decode steps with the kernels on and off: same logits, the same features at a middle
     tap (read from the next norm's kernel: layers.tap) and the last, and the same cache rows."""
+    from deepflash.models import rope_kernel
+
+    monkeypatch.setattr(rope_kernel, "TOKENS", rope_tokens)  # 12 prefill tokens: three full tiles of 4
     cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
                        num_hidden_layers=3)
     assert cfg.qk_norm == qk_norm
@@ -110,6 +114,30 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
             alone = decode_attention(q[:, :, i : i + 1].contiguous(), k, v,
                                      torch.tensor([first + i], device=DEVICE), first + i + 1 + 7 * i)
             assert torch.equal(block[:, :, i : i + 1], alone), (first, i)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_rope_tile_computes_each_token_alone(qk_norm, monkeypatch):
+    """rope_and_write over 7 tokens in tiles of 4 (one part-filled) writes, bit for bit, what 7 one-token
+    calls write: q, and k and v at their cache slots (a verify step's tokens as decode steps')."""
+    from deepflash.models import rope_kernel
+
+    monkeypatch.setattr(rope_kernel, "TOKENS", 4)
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens, slots = 3, 1, 16, 7, 32
+    qkv = torch.randn(2, tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, torch.bfloat16)
+    cos, sin = (torch.randn(tokens, dim, generator=gen).to(DEVICE) for _ in range(2))
+    positions = torch.arange(9, 9 + tokens, device=DEVICE)
+    gains = [torch.randn(dim, generator=gen).to(DEVICE, torch.bfloat16) if qk_norm else None for _ in range(2)]
+    caches = [torch.zeros(2, kv_heads, slots, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    block = rope_kernel.rope_and_write(qkv, cos, sin, positions, caches[0], caches[1], heads, kv_heads, *gains, 1e-6)
+    for i in range(tokens):
+        alone = rope_kernel.rope_and_write(qkv[:, i : i + 1].contiguous(), cos[i : i + 1], sin[i : i + 1],
+                                           positions[i : i + 1], caches[2], caches[3], heads, kv_heads, *gains,
+                                           1e-6)
+        assert torch.equal(block[:, :, i : i + 1], alone), i
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][:, :, 9 : 9 + tokens].abs().sum() > 0
 
 
 def projection_inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> dict:

@@ -4,7 +4,7 @@ optional per-head q/k RMSNorm (Qwen3), rotary embedding of q and k, and the cach
 The torch form (llama.Attention) runs these as 5-8 small kernels per layer: a decode step of the
 SmolLM2-135M-shaped target spent 263 of its 1412 device microseconds in the rope multiplies, the roll
 and the two cache index_copies (profile_step.py, BENCHMARKS.md). Here one program handles one head of
-one token: it loads the head's row of the fused projection output, normalises and rotates it in
+TOKENS tokens: it loads the head's rows of the fused projection output, normalises and rotates them in
 float32 (rounding once, where the torch form rounds after every operation), and stores q in the
 [B, H, T, D] layout attention reads without a copy, or k / v at their cache slot. Chosen per model
 (TargetModel.use_kernels; the default on CUDA for llama-family targets); `TRITON_INTERPRET=1` runs it
@@ -22,6 +22,12 @@ try:
     import triton.language as tl
 except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
+
+
+# Tokens per program: a tile of TOKENS rows of one head (the rest of the tile masked). A verify step's 16
+# tokens then take one program per head, not sixteen; each row is computed alone (elementwise, and the
+# q/k norm sums one row), so a token's result does not depend on the tile it falls in.
+TOKENS = 1
 
 
 def available() -> bool:
@@ -44,10 +50,11 @@ def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     q = torch.empty((b, heads, t, dim), dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
     dependent = pdl.dependent(qkv.device)  # a programmatic dependent launch (pdl.py)
-    _rope_and_write[(b * t, heads + 2 * kv_heads)](
+    _rope_and_write[(b * triton.cdiv(t, TOKENS), heads + 2 * kv_heads)](
         qkv, cos.contiguous(), signed_sin.contiguous(), positions, q, k_cache, v_cache,
         q_norm if norm else qkv, k_norm if norm else qkv, t, k_cache.shape[2], eps,
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm, GDC=dependent, launch_pdl=dependent)
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm, TOKENS=TOKENS, GDC=dependent,
+        launch_pdl=dependent)
     return q
 
 
@@ -56,41 +63,45 @@ if triton is not None:
     @triton.jit
     def _rope_and_write(qkv, cos, sin, positions, q, k_cache, v_cache, q_gain, k_gain, T, S, eps,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, ROT: tl.constexpr,
-                        NORM: tl.constexpr, GDC: tl.constexpr):
+                        NORM: tl.constexpr, TOKENS: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()  # one row per program: nothing long to wait for
-        row = tl.program_id(0)  # b * T + t
+            tl.extra.cuda.gdc_launch_dependents()  # a few rows per program: nothing long to wait for
+        tiles = tl.cdiv(T, TOKENS)
+        b = tl.program_id(0) // tiles
+        t = (tl.program_id(0) % tiles) * TOKENS + tl.arange(0, TOKENS)  # the tile's tokens
+        live = (t < T)[:, None]
         head = tl.program_id(1)  # q heads, then k heads, then v heads
-        b = row // T
-        t = row % T
         cols = tl.arange(0, DIM)
-        src = qkv + (row * (HEADS + 2 * KV_HEADS) + head) * DIM
-        x = tl.load(src + cols).to(tl.float32)
+        row = (b * T + t) * (HEADS + 2 * KV_HEADS) + head  # [TOKENS]: the head's row of each token
+        x = tl.load(qkv + row[:, None] * DIM + cols[None, :], mask=live, other=0.0).to(tl.float32)
         if head >= HEADS + KV_HEADS:  # v: stored as it is
             kv_head = head - HEADS - KV_HEADS
-            pos = tl.load(positions + t)
-            tl.store(v_cache + ((b * KV_HEADS + kv_head) * S + pos) * DIM + cols, x.to(v_cache.dtype.element_ty))
+            pos = tl.load(positions + t, mask=t < T, other=0)
+            tl.store(v_cache + ((b * KV_HEADS + kv_head) * S + pos[:, None]) * DIM + cols[None, :],
+                     x.to(v_cache.dtype.element_ty), mask=live)
         else:
             # the partner of column i in rotate-half: i + rot/2 below rot/2, i - rot/2 up to rot
             partner = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
             partner = tl.where(cols < ROT, partner, cols)
-            xp = tl.load(src + partner).to(tl.float32)
+            xp = tl.load(qkv + row[:, None] * DIM + partner[None, :], mask=live, other=0.0).to(tl.float32)
             if NORM:
                 is_q = head < HEADS
-                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DIM + eps)  # [TOKENS]
                 gain = tl.where(is_q, tl.load(q_gain + cols), tl.load(k_gain + cols)).to(tl.float32)
                 gain_p = tl.where(is_q, tl.load(q_gain + partner), tl.load(k_gain + partner)).to(tl.float32)
-                xp = xp * inv_rms * gain_p
-                x = x * inv_rms * gain
-            inside = cols < ROT
-            c = tl.load(cos + t * ROT + cols, mask=inside, other=1.0).to(tl.float32)
-            s = tl.load(sin + t * ROT + cols, mask=inside, other=0.0).to(tl.float32)
+                xp = xp * inv_rms[:, None] * gain_p[None, :]
+                x = x * inv_rms[:, None] * gain[None, :]
+            inside = live & (cols < ROT)[None, :]
+            table = t[:, None] * ROT + cols[None, :]
+            c = tl.load(cos + table, mask=inside, other=1.0).to(tl.float32)
+            s = tl.load(sin + table, mask=inside, other=0.0).to(tl.float32)
             y = x * c + xp * s
             if head < HEADS:
-                tl.store(q + ((b * HEADS + head) * T + t) * DIM + cols, y.to(q.dtype.element_ty))
+                tl.store(q + ((b * HEADS + head) * T + t[:, None]) * DIM + cols[None, :], y.to(q.dtype.element_ty),
+                         mask=live)
             else:
                 kv_head = head - HEADS
-                pos = tl.load(positions + t)
-                tl.store(k_cache + ((b * KV_HEADS + kv_head) * S + pos) * DIM + cols,
-                         y.to(k_cache.dtype.element_ty))
+                pos = tl.load(positions + t, mask=t < T, other=0)
+                tl.store(k_cache + ((b * KV_HEADS + kv_head) * S + pos[:, None]) * DIM + cols[None, :],
+                         y.to(k_cache.dtype.element_ty), mask=live)
