@@ -79,8 +79,12 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows and the weight go through these kernels (else torch's GEMM after the separate
     kernels). Never decided by the number of rows within a tile: a verify step must project as a
     decode step does. A weight stored transposed (layers.gemm_layout) takes torch's GEMM."""
-    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES and weight.is_contiguous()
-            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
+    return x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES and weight.is_contiguous() and small(weight)
+
+
+def small(weight: torch.Tensor) -> bool:
+    """Whether a weight is small enough for these kernels (MAX_WEIGHT_BYTES); larger ones take torch's GEMM."""
+    return weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor, eps: float,
@@ -146,7 +150,7 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session); a weight
     # too large for the engine to send here (gemv_bench.py's Qwen3-8B o projection) splits: whole, its 32
     # column blocks would leave most SMs idle
-    whole = mode == PLAIN and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+    whole = mode == PLAIN and small(weight)
     slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, 0 if whole else WAVES)
     # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
     squares_at = slices * rows * n if slices > 1 else 0
