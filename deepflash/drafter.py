@@ -355,13 +355,11 @@ def drafter_kernels(target_kernels: str, drafter: DFlashDrafter) -> str:
     return "triton" if wanted and dim & (dim - 1) == 0 else "torch"
 
 
-def propose(drafter: DFlashDrafter, target, context: DrafterContext, last: torch.Tensor,
+def propose(drafter: DFlashDrafter, target, context: DrafterContext, block: torch.Tensor,
             q_pos: torch.Tensor, span: int | None = None) -> torch.Tensor:
     """Draft tokens for positions q_pos[1:] (argmax) from the block [last, MASK x (size-1)] at q_pos.
     span: DrafterContext.kv's bound on the context positions."""
-    mask = torch.full((q_pos.shape[0] - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=q_pos.device)
-    block = torch.cat([last.view(1), mask])[None]
-    x = drafter.block_embeddings(target.model.embed_tokens, block)
+    x = drafter.block_embeddings(target.model.embed_tokens, block[None])
     hidden = drafter(x, q_pos, context.kv(span), context.masks(q_pos, span))
     return argmax(drafter.logits(hidden[0, 1:], target.lm_head))
 

@@ -98,10 +98,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return adjusted_logits(logits, params).softmax(dim=-1)
 
 
-def choose(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams,
+def choose(logits: torch.Tensor, positions: torch.Tensor | None, params: SamplingParams,
            seed: torch.Tensor | None = None) -> torch.Tensor:
-    """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled.
-    `seed` (0-d tensor) overrides params.seed; engines pass a device buffer."""
+    """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled
+    (read when sampling; greedy choices may pass None). `seed` (0-d tensor) overrides params.seed;
+    engines pass a device buffer."""
     if params.greedy:
         return argmax(logits)
     if seed is None:

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from .accept_kernel import accept
 from .drafter import DFlashDrafter, DrafterContext, propose
 from .features import FeatureStore
 from .sampling import SamplingParams, choose
@@ -42,13 +43,20 @@ class StepState:
         self.prompt = torch.zeros(max_ctx, **long)  # the request's prompt, read by the prefill steps
         self.start = torch.zeros((), **long)  # positions processed by the target (KV and features exist)
         self.last = torch.zeros(1, **long)  # newest committed token, the next block's first token
+        # the blocks of a speculative step: row 0 the draft's [last, MASK...] (Steps fills the masks), row 1
+        # the verify's [last, drafts...]; the draft step copies `last` into both in one kernel, and the
+        # drafts are written where the verify reads them
+        self.blocks = torch.zeros((2, max(block_size, 2)), **long)
+        self.drafts = self.blocks[1, 1:]
+        self.offsets = torch.arange(max(block_size, 2), **long)  # a block's positions are start + offsets
         self.seed = torch.zeros((), **long)
-        self.drafts = torch.zeros(max(block_size - 1, 1), **long)
         self.result = torch.zeros(block_size + 1, **long)  # [accepted drafts, committed tokens...]
+        self.kept = torch.zeros((), **long)  # tokens of the last verify step kept: accepted drafts + 1
 
     def buffers(self) -> list[torch.Tensor]:
-        """What the steps write (a capture's warm-up puts them back); the prompt and the seed are only read."""
-        return [self.start, self.last, self.drafts, self.result]
+        """What the steps write (a capture's warm-up puts them back); the prompt, the offsets and the seed
+        are only read."""
+        return [self.start, self.last, self.blocks, self.result, self.kept]
 
 
 class Steps:
@@ -59,6 +67,8 @@ class Steps:
         self.taps = drafter.cfg.target_layer_ids if drafter is not None else ()
         beside = drafter is not None and commits_aside(target.device.type == "cuda", drafter.device == target.device)
         self.aside = context_stream(target.device) if beside else None
+        if drafter is not None:
+            state.blocks[0, 1:] = drafter.cfg.mask_token_id
 
     def prefill(self, size: int, kv_len: int, params: SamplingParams) -> None:
         """The next `size` prompt tokens (state.prompt from state.start): their KV, features and drafter
@@ -70,7 +80,7 @@ class Steps:
         tokens = s.prompt.gather(0, positions)
         logits, feats = self.target(tokens[None], positions, self.cache, kv_len, capture=self.taps, logits="last")
         self._commit(positions, feats)
-        token = choose(logits[0], positions[-1:] + 1, params, s.seed)
+        token = choose(logits[0], filled(positions[-1:], params), params, s.seed)
         s.result[:1].zero_()
         s.result[1:2].copy_(token)
         s.last.copy_(token)
@@ -83,7 +93,7 @@ class Steps:
         s = self.state
         pos = s.start.view(1)
         logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
-        token = choose(logits[0], pos + 1, params, s.seed)
+        token = choose(logits[0], filled(pos, params), params, s.seed)
         if self.features is not None:
             self.features.store(pos, feats.reshape(-1, feats.shape[-1]))
         s.result[:1].zero_()  # not result[0] = 0: a host scalar copy cannot be captured in a graph
@@ -94,26 +104,21 @@ class Steps:
     def draft(self, size: int, span: int | None = None) -> None:
         """span: a bound on every position the drafter's context holds (DrafterContext.kv)."""
         s = self.state
-        q_pos = s.start + torch.arange(size, device=s.start.device)
-        s.drafts[: size - 1].copy_(propose(self.drafter, self.target, self.context, s.last, q_pos, span))
+        q_pos = s.start + s.offsets[:size]
+        s.blocks[:, :1].copy_(s.last.expand(2, 1))
+        s.drafts[: size - 1].copy_(propose(self.drafter, self.target, self.context, s.blocks[0, :size], q_pos, span))
 
     def verify(self, size: int, kv_len: int, params: SamplingParams) -> None:
         s = self.state
-        q_pos = s.start + torch.arange(size, device=s.start.device)
-        drafts = s.drafts[: size - 1]
-        block = torch.cat([s.last, drafts])[None]
+        q_pos = s.start + s.offsets[:size]
         # features of the whole block go in; positions past the accepted prefix stay invisible to the
         # drafter (masks admit only positions < start) until a later step commits and rewrites them. So
         # the commit needs the taps alone and starts as soon as they exist (_commit_beside)
-        logits, _ = self.target(block, q_pos, self.cache, kv_len, capture=self.taps,
+        logits, _ = self.target(s.blocks[1:, :size], q_pos, self.cache, kv_len, capture=self.taps,
                                 on_features=functools.partial(self._commit_beside, q_pos))
-        choices = choose(logits[0], q_pos + 1, params, s.seed)
-        accepted = (drafts == choices[:-1]).cumprod(0).sum()
-        self.cache.keep(accepted + 1)
-        s.result[:1].copy_(accepted.view(1))
-        s.result[1 : size + 1].copy_(choices)
-        s.last.copy_(choices.gather(0, accepted.view(1)))  # gather, not choices[accepted]: no host sync
-        s.start += accepted + 1
+        choices = choose(logits[0], filled(q_pos, params), params, s.seed)
+        accept(s.drafts[: size - 1], choices, s.result, s.last, s.start, s.kept)
+        self.cache.keep(s.kept)
         if self.aside is not None:  # the step ends when the commit has
             torch.cuda.current_stream().wait_stream(self.aside)
 
@@ -143,6 +148,12 @@ class Steps:
             return
         kept, rows = self.features.commit(positions, feats.reshape(-1, feats.shape[-1]))
         self.context.append(kept, rows)
+
+
+def filled(positions: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The positions that tokens chosen after `positions` fill, which only sampling reads: None when
+    greedy, so that a greedy step has no kernel for them."""
+    return None if params.greedy else positions + 1
 
 
 def context_stream(device: torch.device) -> torch.cuda.Stream:

@@ -78,6 +78,7 @@ def ring_kernels():
 
 
 def model_kernels():
+    from deepflash.accept_kernel import accept_kernel
     from deepflash.argmax_kernel import rows_argmax
     from deepflash.models.decode_kernel import decode_attention
     from deepflash.models import pdl
@@ -119,6 +120,10 @@ def model_kernels():
         rows_argmax(torch.zeros(t, 49152 if hidden == 576 else 151936, dtype=dtype))
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
+    # a verify step's acceptance (a block of 16)
+    long = dict(dtype=torch.long)
+    accept_kernel(torch.zeros(15, **long), torch.zeros(16, **long), torch.zeros(17, **long), torch.zeros(1, **long),
+                  torch.zeros((), **long), torch.zeros((), **long))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int 
 
     calls = {"n": 0}
 
-    def propose(drafter, target, context, last, q_pos, span):
+    def propose(drafter, target, context, block, q_pos, span):
         start, size = int(q_pos[0]), q_pos.shape[0]
         calls["n"] += 1
         out = []

@@ -49,9 +49,13 @@ ROWS = 16
 # The merge reduces MERGE_TILE chunks at once (8192 keys: one tile for the embedded target's whole window)
 # in a program per (query token, query head, MERGE_DIMS head dims). Its tiles run one after another, so
 # few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
-# prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session).
+# prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session). 64-chunk
+# tiles cut a 16-token verify's merges by ~9 us at short prompts but cost plain decode 8% at a 5849-token
+# one (three tiles in turn; forty-third session).
 MERGE_TILE = 256
 MERGE_DIMS = 16
+# warps per merge program (Triton's default); 1, 2 and 8 measured no faster (forty-third session)
+MERGE_WARPS = 4
 # Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
 # (tl.dot off by 1e10 against torch): there the products run in float32; the GPU keeps the tensor cores
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,7 +89,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _merge[(b * kv_heads * t * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups,
                                                       GROUP_PAD=group_pad, DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
                                                       TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE),
-                                                      GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent)
+                                                      GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent,
+                                                      num_warps=MERGE_WARPS)
     return out.transpose(1, 2)
 
 
