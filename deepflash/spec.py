@@ -45,7 +45,8 @@ class StepState:
         self.last = torch.zeros(1, **long)  # newest committed token, the next block's first token
         # the blocks of a speculative step: row 0 the draft's [last, MASK...] (Steps fills the masks), row 1
         # the verify's [last, drafts...]; the draft step copies `last` into both in one kernel, and the
-        # drafts are written where the verify reads them
+        # drafts are written where the verify reads them. Only the draft step writes them: a hybrid target's
+        # replay rollback (cache.keep) runs the verify's tokens again after the acceptance has set `last`
         self.blocks = torch.zeros((2, max(block_size, 2)), **long)
         self.drafts = self.blocks[1, 1:]
         self.offsets = torch.arange(max(block_size, 2), **long)  # a block's positions are start + offsets

@@ -26,7 +26,8 @@ except ImportError:  # torch's CPU builds do not bring Triton
 
 # Tokens per program: a tile of TOKENS rows of one head (the rest of the tile masked). A verify step's 16
 # tokens then take one program per head, not sixteen; each row is computed alone (elementwise, and the
-# q/k norm sums one row), so a token's result does not depend on the tile it falls in. Against 1 token per
+# q/k norm sums one row), so a token's result does not depend on the tile it falls in (another TOKENS may
+# add a q/k norm's squares in another order: the drafter's k norm, forty-third session). Against 1 token per
 # program: a spec step's rope kernels 54.6 -> 48.2 us of device time, a plain step's unchanged
 # (profile_step.py --short), the embedded pair's verify time -0.15% (BENCHMARKS.md, forty-third session).
 TOKENS = 16
