@@ -3,6 +3,8 @@ SmolLM2-135M-shaped target, which needs no staged model), HumanEval chat prompts
 and the record's printing and writing."""
 
 import argparse
+import ast
+import importlib
 import json
 from pathlib import Path
 
@@ -14,6 +16,20 @@ from deepflash.bench.speed import SMOLLM2_135M, random_engine
 from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
 from deepflash.runtime import DEFAULT_DRAFTER
+
+
+def parse_switches(text: str) -> dict:
+    """Module switches given as `SWITCH;SWITCH...`, each `module.path.NAME:VALUE` under deepflash (VALUE a
+    Python literal), e.g. 'models.gemv_kernel.WAVES:2': {(module, NAME): value}."""
+    switches = {}
+    for setting in filter(None, text.split(";")):
+        path, _, value = setting.partition(":")
+        module, _, attr = path.strip().rpartition(".")
+        module = importlib.import_module(f"deepflash.{module}")
+        if not hasattr(module, attr):
+            raise SystemExit(f"{text!r}: deepflash.{path} does not exist")
+        switches[(module, attr)] = ast.literal_eval(value.strip())
+    return switches
 
 
 def embedded_ab(description: str, arguments=lambda ap: None, prepare=lambda args: None):

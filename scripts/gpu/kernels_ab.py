@@ -10,12 +10,10 @@ of any module switches (a sweep without a code change). The arms run in turn, tw
 drift shows; each runs its prompts once untimed first. Prints and writes one JSON.
 Formerly gemv_ab.py (its three arms: separate, fused, fused + PDL)."""
 
-import ast
-import importlib
 import json
 
 import torch
-from ab_setup import embedded_ab, engine, report
+from ab_setup import embedded_ab, engine, parse_switches, report
 
 from deepflash import argmax_kernel
 from deepflash.bench.accept import measure
@@ -39,18 +37,10 @@ def switched(arm: str) -> dict:
 
 
 def parse_arm(text: str) -> str:
-    """Add an arm given as NAME=SWITCH;SWITCH..., each SWITCH `module.path.NAME:VALUE` under deepflash
-    (VALUE a Python literal), e.g. 'waves 2=models.gemv_kernel.WAVES:2'; returns its name."""
+    """Add an arm given as NAME=SWITCH;SWITCH... (ab_setup.parse_switches), e.g. 'waves
+    2=models.gemv_kernel.WAVES:2'; returns its name."""
     name, _, settings = text.partition("=")
-    arm = {}
-    for setting in filter(None, settings.split(";")):
-        path, _, value = setting.partition(":")
-        module, _, attr = path.strip().rpartition(".")
-        module = importlib.import_module(f"deepflash.{module}")
-        if not hasattr(module, attr):
-            raise SystemExit(f"--arm {text!r}: deepflash.{path} does not exist")
-        arm[(module, attr)] = ast.literal_eval(value.strip())
-    ARMS[name] = arm
+    ARMS[name] = parse_switches(settings)
     return name
 
 

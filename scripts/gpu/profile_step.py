@@ -7,6 +7,7 @@ import json
 from collections import defaultdict
 
 import torch
+from ab_setup import parse_switches
 
 from deepflash.bench.speed import QWEN3_8B, SMOLLM2_135M, random_engine, run_engine
 from deepflash.drafter import load_drafter
@@ -168,7 +169,12 @@ def main():
                     help="only the kernels of spec-on and plain steps after a 256-token prompt (SmolLM2 shape)")
     ap.add_argument("--qwen3", action="store_true",
                     help="only the kernels of a plain step after a 256-token prompt (Qwen3-8B shape, Triton kernels)")
+    ap.add_argument("--set", default="", metavar="SWITCH;...",
+                    help="module switches set before anything runs (ab_setup.parse_switches), e.g. "
+                         "'models.decode_kernel.MERGE_TILE:64;models.decode_kernel.MERGE_PREFETCH:True'")
     args = ap.parse_args()
+    for (module, name), value in parse_switches(args.set).items():
+        setattr(module, name, value)
     prompt = list(range(100, 356))
     record = {}
     if args.qwen3:
