@@ -1,6 +1,6 @@
 """What the A/B scripts on the embedded pair share: arguments, the pair (or with --random a random-weight
 SmolLM2-135M-shaped target, which needs no staged model), HumanEval chat prompts, the shipped drafter,
-and the record's printing and writing."""
+the record's printing and writing, and module switches given on the command line (parse_switches)."""
 
 import argparse
 import ast
