@@ -52,7 +52,10 @@ class StepState:
         self.offsets = torch.arange(max(block_size, 2), **long)  # a block's positions are start + offsets
         self.seed = torch.zeros((), **long)
         self.result = torch.zeros(block_size + 1, **long)  # [accepted drafts, committed tokens...]
-        self.kept = torch.zeros((), **long)  # tokens of the last verify step kept: accepted drafts + 1
+        # tokens of the last verify step kept, accepted drafts + 1 (result[0] + 1), stored by the acceptance for
+        # cache.keep: computing it from result would add a kernel to every verify step, which attention
+        # caches, whose keep does nothing, would still run
+        self.kept = torch.zeros((), **long)
 
     def buffers(self) -> list[torch.Tensor]:
         """What the steps write (a capture's warm-up puts them back); the prompt, the offsets and the seed
