@@ -25,22 +25,27 @@ MAX_ROWS = 64  # decode, draft and verify steps; longer inputs keep torch's argm
 SLICE = 4096  # values per program: 12 programs for a SmolLM2 row, 38 for a Qwen3 one (151936)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax [N] (int64) of logits [N, V]: the kernel on CUDA, torch's elsewhere (and for
-    other shapes)."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax [N] (int64) of logits [N, V], into `out` where given (a draft's tokens go where
+    the verify reads them, with no copy kernel): the kernel on CUDA, torch's elsewhere (and for other
+    shapes)."""
     if logits.device.type != "cuda" or triton is None or logits.dim() != 2 or logits.shape[0] > MAX_ROWS:
-        return logits.argmax(dim=-1)
-    return rows_argmax(logits)
+        chosen = logits.argmax(dim=-1)
+        return chosen if out is None else out.copy_(chosen)
+    return rows_argmax(logits, out)
 
 
-def rows_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The kernel (what argmax runs on CUDA; the tests run it in Triton's interpreter)."""
+def rows_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel (what argmax runs on CUDA; the tests run it in Triton's interpreter). out: [N] int64,
+    contiguous."""
     rows, vocab = logits.shape
     assert rows <= MAX_ROWS, rows
     slices = triton.cdiv(vocab, SLICE)
     best = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     where = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous(), (out.shape, out.dtype)
     arrivals = arrival_counters("argmax", MAX_ROWS, logits.device)  # per row
     _argmax[(rows, slices)](logits.contiguous(), best, where, arrivals, out, vocab, SLICES=slices,
                             SLICES_POW2=triton.next_power_of_2(slices), SLICE=SLICE, num_warps=8)

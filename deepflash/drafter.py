@@ -356,12 +356,12 @@ def drafter_kernels(target_kernels: str, drafter: DFlashDrafter) -> str:
 
 
 def propose(drafter: DFlashDrafter, target, context: DrafterContext, block: torch.Tensor,
-            q_pos: torch.Tensor, span: int | None = None) -> torch.Tensor:
-    """Draft tokens for positions q_pos[1:] (argmax) from the block [last, MASK x (size-1)] at q_pos.
-    span: DrafterContext.kv's bound on the context positions."""
+            q_pos: torch.Tensor, span: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft tokens for positions q_pos[1:] (argmax) from the block [last, MASK x (size-1)] at q_pos, into
+    `out` where given. span: DrafterContext.kv's bound on the context positions."""
     x = drafter.block_embeddings(target.model.embed_tokens, block[None])
     hidden = drafter(x, q_pos, context.kv(span), context.masks(q_pos, span))
-    return argmax(drafter.logits(hidden[0, 1:], target.lm_head))
+    return argmax(drafter.logits(hidden[0, 1:], target.lm_head), out)
 
 
 # --- checkpoints (z-lab format) ---------------------------------------------------------------------------

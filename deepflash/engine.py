@@ -31,6 +31,10 @@ from .stats import PhaseTimer, SpecStats
 from .tokenizer import Detokenizer, Tokenizer
 
 PIPELINE_DEPTH = 2  # decode steps queued on the device at once (see Engine._fill)
+# A speculative step is one CUDA graph, the draft then the verify (Steps.speculate): as two graphs the GPU
+# idled ~25 us between them in every step (profile_step.py --timeline, forty-fourth session). False: two
+# graphs (scripts/gpu/kernels_ab.py --arm "two graphs=engine.ONE_SPEC_GRAPH:False")
+ONE_SPEC_GRAPH = True
 
 
 @dataclass
@@ -97,7 +101,7 @@ class Launched:
     kind: str  # "plain" | "spec"
     size: int
     began: float
-    host: torch.Tensor  # this step's own host copy of StepState.result (several steps are in flight)
+    number: int  # the step's number: where its result is readable (StepState.mailbox.read)
     ready: torch.cuda.Event | None = None  # None: the device ran the step inside its launch (the CPU)
     launch_s: float = 0.0
     region: int = 0  # the context region the controller decided it in (SpecController.use_spec)
@@ -145,13 +149,11 @@ class Engine:
         target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)
         if drafter is not None:
             drafter.rotary.tabulate(cfg.max_position_embeddings, drafter.dtype)
-        self.state = StepState(self.device, self.block_size, self.max_ctx)
+        # the mailbox's slots outnumber the steps in flight, so a step's slot is read before it is reused
+        self.state = StepState(self.device, self.block_size, self.max_ctx, slots=PIPELINE_DEPTH + 1)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
         self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=cuda_graphs, cache=self.cache)
-        pinned = self.device.type == "cuda"
-        self.host_results = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
-                             for _ in range(PIPELINE_DEPTH + 1)]
-        self.launches = 0
+        self.launches = 0  # decode steps launched: the next one's number
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
@@ -193,7 +195,7 @@ class Engine:
         decode_s = time.perf_counter() - t1
         if spec is not None:
             phases = timer.collect(collected)
-            spec.draft_s, spec.verify_s = phases.get("draft", 0.0), phases.get("verify", 0.0)
+            spec.spec_s = phases.get("spec", 0.0)
         result = Result(seq.tracker.text, seq.tracker.tokens, len(prompt_ids), seq.tracker.finish_reason,
                         prefill_s, decode_s, None if params.greedy else params.seed, spec)
         yield Chunk(seq.tracker.stream(), [], result)
@@ -289,14 +291,16 @@ class Engine:
             # switching work, not a spec step's cost: counted as one it raised the break-even and turned
             # paying drafters off (BENCHMARKS.md, fourteenth session)
             switched = self._catch_up(seq, inflight, processed)
-            timer.start("draft")
+            timer.start("spec")
             # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
             # that many slots (a graph per bucket, as the verify)
-            captured = self.graphs.run(("draft", size, kv_len), lambda: self.steps.draft(size, kv_len))
-            timer.stop()
-            timer.start("verify")
-            captured |= self.graphs.run(("verify", size, kv_len) + sampling,
-                                        lambda: self.steps.verify(size, kv_len, params))
+            if ONE_SPEC_GRAPH:
+                captured = self.graphs.run(("spec", size, kv_len) + sampling,
+                                           lambda: self.steps.speculate(size, kv_len, params))
+            else:
+                captured = self.graphs.run(("draft", size, kv_len), lambda: self.steps.draft(size, kv_len))
+                captured |= self.graphs.run(("verify", size, kv_len) + sampling,
+                                            lambda: self.steps.verify(size, kv_len, params))
             timer.stop()
             kind = "spec"
         else:
@@ -308,15 +312,15 @@ class Engine:
             # catch-up) can outlast a queued plain step on the device and delay its collect
             if captured or (kind == "spec" and queued.kind == "plain" and queued.ready is not None):
                 queued.timed = False
-        # the host learns the outcome from one small copy; the device already advanced its own inputs
-        host = self.host_results[self.launches % len(self.host_results)]
+        # the host learns the outcome from the step's mailbox slot; the device already advanced its own inputs
+        number = self.launches
         self.launches += 1
-        host[: size + 1].copy_(self.state.result[: size + 1], non_blocking=True)
+        self.state.mailbox.send(number)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(kind, size, began, host, ready, time.perf_counter() - began, region,
+        return Launched(kind, size, began, number, ready, time.perf_counter() - began, region,
                         timed=not (captured or switched), phases=len(timer.pending))
 
     def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> bool:
@@ -350,12 +354,11 @@ class Engine:
             self.controller.record_plain(seconds, launched.region)
         return committed
 
-    @staticmethod
-    def _read_result(launched: Launched) -> list[int]:
+    def _read_result(self, launched: Launched) -> list[int]:
         """Committed tokens of a step: result = [accepted, token_1, ...] (the step's one sync)."""
         if launched.ready is not None:
             launched.ready.synchronize()
-        values = launched.host[: launched.size + 1].tolist()
+        values = self.state.mailbox.read(launched.number, launched.size + 1)
         return values[1 : values[0] + 2]
 
     def _postprocess(self, seq: Sequence, committed: list[int]) -> None:

@@ -19,6 +19,7 @@ import torch
 from .accept_kernel import accept
 from .drafter import DFlashDrafter, DrafterContext, propose
 from .features import FeatureStore
+from .mailbox import Mailbox
 from .sampling import SamplingParams, choose
 
 # A verify block's features go to the rings and the drafter's context K/V whatever it accepts (Steps.
@@ -38,7 +39,7 @@ def commits_aside(cuda: bool, shared_device: bool) -> bool:
 class StepState:
     """Inputs and outputs of the step functions, on the device."""
 
-    def __init__(self, device: torch.device, block_size: int, max_ctx: int):
+    def __init__(self, device: torch.device, block_size: int, max_ctx: int, slots: int):
         long = dict(dtype=torch.long, device=device)
         self.prompt = torch.zeros(max_ctx, **long)  # the request's prompt, read by the prefill steps
         self.start = torch.zeros((), **long)  # positions processed by the target (KV and features exist)
@@ -56,11 +57,12 @@ class StepState:
         # cache.keep: computing it from result would add a kernel to every verify step, which attention
         # caches, whose keep does nothing, would still run
         self.kept = torch.zeros((), **long)
+        self.mailbox = Mailbox(slots, block_size + 1, device)  # each decode step posts its result to the host
 
     def buffers(self) -> list[torch.Tensor]:
         """What the steps write (a capture's warm-up puts them back); the prompt, the offsets and the seed
         are only read."""
-        return [self.start, self.last, self.blocks, self.result, self.kept]
+        return [self.start, self.last, self.blocks, self.result, self.kept, self.mailbox.posted]
 
 
 class Steps:
@@ -104,13 +106,20 @@ class Steps:
         s.result[1:2].copy_(token)
         s.last.copy_(token)
         s.start += 1
+        s.mailbox.post(s.result)
+
+    def speculate(self, size: int, kv_len: int, params: SamplingParams) -> None:
+        """One speculative step: the draft, then the verify (the drafter's context spans the verify's
+        KV bucket)."""
+        self.draft(size, kv_len)
+        self.verify(size, kv_len, params)
 
     def draft(self, size: int, span: int | None = None) -> None:
         """span: a bound on every position the drafter's context holds (DrafterContext.kv)."""
         s = self.state
         q_pos = s.start + s.offsets[:size]
         s.blocks[:, :1].copy_(s.last.expand(2, 1))
-        s.drafts[: size - 1].copy_(propose(self.drafter, self.target, self.context, s.blocks[0, :size], q_pos, span))
+        propose(self.drafter, self.target, self.context, s.blocks[0, :size], q_pos, span, out=s.drafts[: size - 1])
 
     def verify(self, size: int, kv_len: int, params: SamplingParams) -> None:
         s = self.state
@@ -122,6 +131,7 @@ class Steps:
                                 on_features=functools.partial(self._commit_beside, q_pos))
         choices = choose(logits[0], filled(q_pos, params), params, s.seed)
         accept(s.drafts[: size - 1], choices, s.result, s.last, s.start, s.kept)
+        s.mailbox.post(s.result)
         self.cache.keep(s.kept)
         if self.aside is not None:  # the step ends when the commit has
             torch.cuda.current_stream().wait_stream(self.aside)

@@ -17,8 +17,7 @@ class SpecStats:
     histogram: list[int] = field(default_factory=list)  # index a-1: steps that committed a tokens
     position_tries: list[int] = field(default_factory=list)  # index k-1: steps that drafted position k
     position_hits: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    spec_s: float = 0.0  # device time of the speculative steps, draft and verify (one CUDA graph)
     plain_steps: int = 0
     trace: list[int] = field(default_factory=list)  # per step in order: tokens a spec step committed, 0 a plain one
 
@@ -63,8 +62,7 @@ class SpecStats:
             "plain_steps": self.plain_steps,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
-            "draft_s": round(self.draft_s, 6),
-            "verify_s": round(self.verify_s, 6),
+            "spec_s": round(self.spec_s, 6),
         }
 
 

@@ -92,17 +92,17 @@ def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int 
 
     calls = {"n": 0}
 
-    def propose(drafter, target, context, block, q_pos, span):
+    def propose(drafter, target, context, block, q_pos, span, out):
         start, size = int(q_pos[0]), q_pos.shape[0]
         calls["n"] += 1
-        out = []
+        tokens = []
         for k in range(1, size):
             i = start + k - prompt_len
             tok = reference[i] if i < len(reference) else 5
             if wrong_every and (calls["n"] + k) % wrong_every == 0:
                 tok = (tok + 1) % 90
-            out.append(tok)
-        return torch.tensor(out)
+            tokens.append(tok)
+        return out.copy_(torch.tensor(tokens))
 
     monkeypatch.setattr(spec_module, "propose", propose)
 
@@ -150,8 +150,8 @@ def third_token_check(engine, monkeypatch, runs: int, propose_modes: bool) -> tu
             third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
     if propose_modes:
         modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
-        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos, span: torch.tensor(
-            [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])]))
+        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos, span, out: out.copy_(torch.tensor(
+            [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])])))
     counts: dict[int, int] = {}
     accepted = 0
     for seed in range(runs):

@@ -1,10 +1,12 @@
-"""The verify step's acceptance kernel against its torch form (Triton's interpreter on the CPU)."""
+"""The kernels that end a decode step, the verify's acceptance and the result's post to the host, against
+their torch forms (Triton's interpreter on the CPU)."""
 
 import pytest
 import torch
 from helpers import triton_device
 
 from deepflash.accept_kernel import accept_kernel, accept_torch
+from deepflash.mailbox import Mailbox, post_kernel
 
 DEVICE = triton_device()
 
@@ -33,3 +35,16 @@ def test_accept_kernel_writes_what_the_torch_form_writes(size):
         result, last, start, kept = got
         assert int(result[0]) == matched and int(kept) == matched + 1 and int(start) == 1000 + size + matched + 1
         assert int(last) == int(choices[matched]) and int(result[-1]) == -7  # nothing past the block
+
+
+def test_post_kernel_writes_what_the_torch_form_writes():
+    width, slots = 17, 3
+    box = Mailbox(slots, width, torch.device("cpu"))
+    host = torch.full((slots, width + 1), -1, dtype=torch.long, device=DEVICE)
+    posted = torch.zeros((), dtype=torch.long, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    for number in range(5):
+        result = torch.randint(0, 50_000, (width + 2,), generator=gen)  # longer than the slot: its head is posted
+        box.post(result)
+        post_kernel(result.to(DEVICE), posted, host)
+        assert torch.equal(host.cpu(), box.host) and int(posted) == number + 1

@@ -17,6 +17,11 @@ def test_rows_argmax_equals_torch(rows, vocab, dtype):
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)).to(dtype).to(DEVICE)
     for _ in range(2):  # the second call finds the arrival counters set back to 0
         assert torch.equal(rows_argmax(logits), logits.argmax(dim=-1))
+    # into a row of a step buffer (a draft's tokens where the verify reads them), its neighbours untouched
+    buffer = torch.full((2, rows + 2), -5, dtype=torch.long, device=DEVICE)
+    rows_argmax(logits, out=buffer[1, 1 : rows + 1])
+    assert torch.equal(buffer[1, 1 : rows + 1], logits.argmax(dim=-1))
+    assert (buffer[0] == -5).all() and int(buffer[1, 0]) == int(buffer[1, -1]) == -5
 
 
 def test_rows_argmax_ties_nan_and_infinities_as_torch():
@@ -41,3 +46,5 @@ def test_argmax_keeps_torch_off_cuda_and_beyond_its_rows(monkeypatch):
     for shape in [(3, 100), (argmax_kernel.MAX_ROWS + 1, 100), (2, 3, 100)]:
         logits = torch.randn(shape)
         assert torch.equal(argmax_kernel.argmax(logits), logits.argmax(dim=-1))
+        out = torch.empty(logits.shape[:-1], dtype=torch.long)
+        assert argmax_kernel.argmax(logits, out) is out and torch.equal(out, logits.argmax(dim=-1))

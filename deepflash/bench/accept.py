@@ -99,8 +99,7 @@ def _add(total: SpecStats, s: SpecStats) -> None:
     total.committed += s.committed
     total.draft_tokens += s.draft_tokens
     total.plain_steps += s.plain_steps
-    total.draft_s += s.draft_s
-    total.verify_s += s.verify_s
+    total.spec_s += s.spec_s
     for name in ("histogram", "position_tries", "position_hits"):
         mine, theirs = getattr(total, name), getattr(s, name)
         for k, v in enumerate(theirs):

@@ -1,6 +1,6 @@
 """A/B of drafters on the embedded pair: HumanEval prompts, greedy, 128 tokens, spec on, the drafters in turn,
 twice, so that run-to-run drift shows; each runs its prompts once untimed first. Per drafter and round: AL,
-tok/s, draft and verify seconds, and outputs equal to plain decoding's. pick_drafter.py picks by AL (its
+tok/s, the speculative steps' device seconds, and outputs equal to plain decoding's. pick_drafter.py picks by AL (its
 tok/s include graph captures): this says what a drafter with more work per draft (wider MLPs, more layers)
 costs in tok/s against what it accepts more.
 Usage: python3 scripts/gpu/drafters_ab.py DRAFTER [DRAFTER ...] [--prompts 24] [--out F]

@@ -1,5 +1,5 @@
 """A/B of the decode step's kernel choices on the embedded pair (HumanEval prompts, greedy, 128 tokens, the
-shipped drafter): plain tok/s, spec-on tok/s, AL, draft and verify seconds, outputs equal to the arm's
+shipped drafter): plain tok/s, spec-on tok/s, AL, the speculative steps' device seconds, outputs equal to the arm's
 plain outputs and to the first arm's plain outputs, and with --mbu the Qwen3-8B-shaped plain decode MBU.
 An arm sets module switches (ARMS) and runs with everything else as shipped: "shipped"; "torch argmax"
 (argmax_kernel.py off); "separate projections" (models/gemv_kernel.py off: the add + norm or silu * up
@@ -69,7 +69,7 @@ def main():
         spec, spec_outputs = measure(engine(args, target, tok, drafter, spec="on"), prompts, params)
         first_outputs = first_outputs or plain_outputs
         row = {"plain_tok_per_s": plain["tok_per_s"], "spec_tok_per_s": spec["tok_per_s"],
-               "acceptance_length": spec["acceptance_length"], "draft_s": spec["draft_s"], "verify_s": spec["verify_s"],
+               "acceptance_length": spec["acceptance_length"], "spec_s": spec["spec_s"],
                "spec_same_as_plain": sum(a == b for a, b in zip(spec_outputs, plain_outputs)),
                "plain_same_as_first_arm": sum(a == b for a, b in zip(plain_outputs, first_outputs))}
         if args.mbu:

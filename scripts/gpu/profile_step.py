@@ -42,6 +42,36 @@ def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
             "top": [{"kernel": k[:160], "per_step": n / steps, "us_per_step": t / steps} for k, (n, t) in top]}
 
 
+def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
+    """Device time of graph-replayed steps as the GPU saw it: the span from the first kernel to the last,
+    the time some kernel ran (the union over streams) and the idle rest, and the largest idle gaps by
+    the kernels on either side (names cut to 60 characters), per step. An eager profile (kernel_profile)
+    sums kernel times; it cannot show what the launches between kernels and graphs cost."""
+    params = SamplingParams(max_new_tokens=steps)
+    for _ in range(2):  # captures, then a warm run
+        engine.complete(prompt, params)
+    engine.wait_idle()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.complete(prompt, params)
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, gaps, reach, before = 0.0, defaultdict(lambda: [0, 0.0]), spans[0][0], spans[0][2]
+    for start, end, name in spans:
+        if start > reach:
+            gaps[(before, name)][0] += 1
+            gaps[(before, name)][1] += start - reach
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, before = end, name
+    span = reach - spans[0][0]
+    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:25]
+    return {"steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+            "idle_us_per_step": (span - busy) / steps,
+            "gaps": [{"after": a, "before": b, "per_step": n / steps, "us_per_step": t / steps}
+                     for (a, b), (n, t) in top]}
+
+
 def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
     """Another engine on base's random target, also without stop tokens (every request runs its length)."""
     made = Engine(base.target, base.tokenizer, drafter, **{"max_ctx": base.max_ctx, **engine_args})
@@ -62,16 +92,15 @@ def capture_profile(plain: Engine, prompt: list[int]) -> dict:
 def spec_profile(plain: Engine, prompt: list[int]) -> dict:
     """Speculative steps with the shipped drafter (spec on, Triton target kernels). On the random target
     no draft matches, so every step commits one token: per-token figures are per-step figures. Kernels
-    per step (eager), then under CUDA graphs the steps/s and the draft and verify phases' device time
-    per step (the engine's CUDA-event phase timer)."""
+    per step (eager), then under CUDA graphs the steps/s and a speculative step's device time (the
+    engine's CUDA-event phase timer)."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     speculating = dict(spec="on", target_kernels="triton" if rope_kernel.available() else "torch")
     prof = kernel_profile(sibling(plain, drafter, cuda_graphs=False, **speculating), prompt, 64)
     graphs = sibling(plain, drafter, **speculating)
     prof["graphs_steps_per_s"] = decode_rate(graphs, prompt, 256)
     stats = graphs.complete(prompt, SamplingParams(max_new_tokens=256)).spec
-    prof["draft_us_per_step"] = 1e6 * stats.draft_s / stats.steps
-    prof["verify_us_per_step"] = 1e6 * stats.verify_s / stats.steps
+    prof["spec_us_per_step"] = 1e6 * stats.spec_s / stats.steps
     return prof
 
 
@@ -79,7 +108,7 @@ def attention_sweep(plain: Engine, settings: str) -> dict:
     """Decode attention's CHUNK (keys per program) against speed (SmolLM2 shape, Triton kernels, CUDA
     graphs, which each new engine captures with the setting it sees): plain decode after a 256-token and
     a 5.8K-token prompt, and at the long one a spec-on step (the shipped drafter; on the random target
-    every step commits one token) with its draft and verify phases."""
+    every step commits one token) with its device time."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     short = list(range(100, 356))
     kept = decode_kernel.CHUNK
@@ -92,8 +121,7 @@ def attention_sweep(plain: Engine, settings: str) -> dict:
                             "plain_tok_per_s_long": decode_rate(fused, LONG_PROMPT, 128),
                             "spec_on_steps_per_s_long": decode_rate(spec, LONG_PROMPT, 128)}
         stats = spec.complete(LONG_PROMPT, SamplingParams(max_new_tokens=128)).spec  # graphs captured by now
-        results[setting]["draft_us_per_step_long"] = 1e6 * stats.draft_s / stats.steps
-        results[setting]["verify_us_per_step_long"] = 1e6 * stats.verify_s / stats.steps
+        results[setting]["spec_us_per_step_long"] = 1e6 * stats.spec_s / stats.steps
         figures = ", ".join(f"{k} {v:.0f}" for k, v in results[setting].items())
         print(f"  attention CHUNK {setting}: {figures}", flush=True)
         del fused, spec
@@ -169,6 +197,9 @@ def main():
                     help="only the kernels of spec-on and plain steps after a 256-token prompt (SmolLM2 shape)")
     ap.add_argument("--qwen3", action="store_true",
                     help="only the kernels of a plain step after a 256-token prompt (Qwen3-8B shape, Triton kernels)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="only the idle time between kernels of CUDA-graph steps, spec on and plain, after a "
+                         "256-token prompt (SmolLM2 shape, Triton kernels)")
     ap.add_argument("--set", default="", metavar="SWITCH;...",
                     help="module switches set before anything runs (ab_setup.parse_switches), e.g. "
                          "'models.decode_kernel.MERGE_TILE:64;models.decode_kernel.MERGE_PREFETCH:True'")
@@ -193,6 +224,17 @@ def main():
     if args.attention_sweep:
         record.setdefault("smollm2-shaped", {})["attention_sweep"] = attention_sweep(
             random_engine(SMOLLM2_135M, args.device), args.attention_sweep)
+    if args.timeline:
+        plain = random_engine(SMOLLM2_135M, args.device, target_kernels="triton")
+        drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
+        record.setdefault("smollm2-shaped", {})["timeline"] = {
+            "spec_on": timeline(sibling(plain, drafter, spec="on", target_kernels="triton"), prompt, 128),
+            "plain": timeline(plain, prompt, 128)}
+        for name, line in record["smollm2-shaped"]["timeline"].items():
+            print(f"  {name}: span {line['span_us_per_step']:.1f} us/step, busy {line['busy_us_per_step']:.1f}, "
+                  f"idle {line['idle_us_per_step']:.1f}; largest gaps:")
+            for gap in line["gaps"][:12]:
+                print(f"  {gap['us_per_step']:7.2f} us x{gap['per_step']:5.2f}  {gap['after']} -> {gap['before']}")
     for key, wanted, at, steps in (("depth", args.depth, LONG_PROMPT, 48), ("short", args.short, prompt, 64)):
         if wanted:
             record.setdefault("smollm2-shaped", {})[key] = depth_profile(random_engine(SMOLLM2_135M, args.device), at,
@@ -200,7 +242,8 @@ def main():
             for name, prof in record["smollm2-shaped"][key].items():
                 print_top(f"{name} after {len(at)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
                           prof["top"][:12])
-    alone = args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short or args.qwen3
+    alone = (args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short or args.qwen3
+             or args.timeline)
     shapes = [] if alone else [("smollm2-shaped", SMOLLM2_135M), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
