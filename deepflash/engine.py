@@ -31,8 +31,9 @@ from .stats import PhaseTimer, SpecStats
 from .tokenizer import Detokenizer, Tokenizer
 
 PIPELINE_DEPTH = 2  # decode steps queued on the device at once (see Engine._fill)
-# A speculative step is one CUDA graph, the draft then the verify (Steps.speculate): as two graphs the GPU
-# idled ~25 us between them in every step (profile_step.py --timeline, forty-fourth session). False: two
+# A speculative step is one CUDA graph, the draft then the verify (Steps.speculate): one launch, and under
+# the profiler two graphs left the GPU idle ~25 us between them in every step (profile_step.py --timeline);
+# end to end one graph took 0.1-0.3% off a spec step's device time (forty-fourth session). False: two
 # graphs (scripts/gpu/kernels_ab.py --arm "two graphs=engine.ONE_SPEC_GRAPH:False")
 ONE_SPEC_GRAPH = True
 

@@ -79,8 +79,8 @@ def ring_kernels():
 
 def model_kernels():
     from deepflash.accept_kernel import accept_kernel
-    from deepflash.mailbox import post_kernel
     from deepflash.argmax_kernel import rows_argmax
+    from deepflash.mailbox import post_kernel
     from deepflash.models import decode_kernel, pdl
     from deepflash.models.decode_kernel import decode_attention
     from deepflash.models.gemv_kernel import linear, norm_linear, silu_linear
