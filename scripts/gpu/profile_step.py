@@ -45,8 +45,10 @@ def kernel_profile(engine: Engine, prompt: list[int], steps: int) -> dict:
 def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
     """Device time of graph-replayed steps as the GPU saw it: the span from the first kernel to the last,
     the time some kernel ran (the union over streams) and the idle rest, and the largest idle gaps by
-    the kernels on either side (names cut to 60 characters), per step. An eager profile (kernel_profile)
-    sums kernel times; it cannot show what the launches between kernels and graphs cost."""
+    the kernels on either side (names cut to 60 characters), per step; then one step in the middle
+    kernel by kernel (each decode step ends with the mailbox's `_post`): its start and length, and the
+    stream it ran on. An eager profile (kernel_profile) sums kernel times; it cannot show what the
+    launches between kernels and graphs cost, nor which kernels wait for which."""
     params = SamplingParams(max_new_tokens=steps)
     for _ in range(2):  # captures, then a warm run
         engine.complete(prompt, params)
@@ -54,10 +56,10 @@ def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.complete(prompt, params)
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60], e.thread) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, gaps, reach, before = 0.0, defaultdict(lambda: [0, 0.0]), spans[0][0], spans[0][2]
-    for start, end, name in spans:
+    for start, end, name, _ in spans:
         if start > reach:
             gaps[(before, name)][0] += 1
             gaps[(before, name)][1] += start - reach
@@ -66,10 +68,15 @@ def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
             reach, before = end, name
     span = reach - spans[0][0]
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:25]
+    posts = [i for i, (_, _, name, _) in enumerate(spans) if name == "_post"]
+    middle = len(posts) // 2
+    one = spans[posts[middle - 1] + 1 : posts[middle] + 1] if len(posts) >= 2 else []
     return {"steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
             "idle_us_per_step": (span - busy) / steps,
             "gaps": [{"after": a, "before": b, "per_step": n / steps, "us_per_step": t / steps}
-                     for (a, b), (n, t) in top]}
+                     for (a, b), (n, t) in top],
+            "one_step": [{"kernel": name, "start_us": start - one[0][0], "us": end - start, "stream": stream}
+                         for start, end, name, stream in one]}
 
 
 def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
@@ -235,6 +242,9 @@ def main():
                   f"idle {line['idle_us_per_step']:.1f}; largest gaps:")
             for gap in line["gaps"][:12]:
                 print(f"  {gap['us_per_step']:7.2f} us x{gap['per_step']:5.2f}  {gap['after']} -> {gap['before']}")
+            print("  one step, kernel by kernel (start us, length us, stream):")
+            for row in line["one_step"]:
+                print(f"  {row['start_us']:8.1f} {row['us']:6.2f} {row['stream']:>4}  {row['kernel']}")
     for key, wanted, at, steps in (("depth", args.depth, LONG_PROMPT, 48), ("short", args.short, prompt, 64)):
         if wanted:
             record.setdefault("smollm2-shaped", {})[key] = depth_profile(random_engine(SMOLLM2_135M, args.device), at,
