@@ -299,9 +299,10 @@ class Engine:
                 captured = self.graphs.run(("spec", size, kv_len) + sampling,
                                            lambda: self.steps.speculate(size, kv_len, params))
             else:
-                captured = self.graphs.run(("draft", size, kv_len), lambda: self.steps.draft(size, kv_len))
+                captured = self.graphs.run(("draft", size, kv_len),
+                                           lambda: self.steps.draft(size, kv_len, self.steps.positions(size)))
                 captured |= self.graphs.run(("verify", size, kv_len) + sampling,
-                                            lambda: self.steps.verify(size, kv_len, params))
+                                            lambda: self.steps.verify(size, kv_len, params, self.steps.positions(size)))
             timer.stop()
             kind = "spec"
         else:

@@ -109,21 +109,25 @@ class Steps:
         s.mailbox.post(s.result)
 
     def speculate(self, size: int, kv_len: int, params: SamplingParams) -> None:
-        """One speculative step: the draft, then the verify (the drafter's context spans the verify's
-        KV bucket)."""
-        self.draft(size, kv_len)
-        self.verify(size, kv_len, params)
+        """One speculative step: the draft, then the verify, at the block's positions (computed once for
+        both; the drafter's context spans the verify's KV bucket)."""
+        q_pos = self.positions(size)
+        self.draft(size, kv_len, q_pos)
+        self.verify(size, kv_len, params, q_pos)
 
-    def draft(self, size: int, span: int | None = None) -> None:
-        """span: a bound on every position the drafter's context holds (DrafterContext.kv)."""
+    def positions(self, size: int) -> torch.Tensor:
+        """The next block's positions: start + offsets (no arange kernel)."""
+        return self.state.start + self.state.offsets[:size]
+
+    def draft(self, size: int, span: int | None, q_pos: torch.Tensor) -> None:
+        """span: a bound on every position the drafter's context holds (DrafterContext.kv); q_pos: the
+        block's positions (positions)."""
         s = self.state
-        q_pos = s.start + s.offsets[:size]
         s.blocks[:, :1].copy_(s.last.expand(2, 1))
         propose(self.drafter, self.target, self.context, s.blocks[0, :size], q_pos, span, out=s.drafts[: size - 1])
 
-    def verify(self, size: int, kv_len: int, params: SamplingParams) -> None:
+    def verify(self, size: int, kv_len: int, params: SamplingParams, q_pos: torch.Tensor) -> None:
         s = self.state
-        q_pos = s.start + s.offsets[:size]
         # features of the whole block go in; positions past the accepted prefix stay invisible to the
         # drafter (masks admit only positions < start) until a later step commits and rewrites them. So
         # the commit needs the taps alone and starts as soon as they exist (_commit_beside)

@@ -81,7 +81,7 @@ def model_kernels():
     from deepflash.accept_kernel import accept_kernel
     from deepflash.argmax_kernel import rows_argmax
     from deepflash.mailbox import post_kernel
-    from deepflash.models import decode_kernel, pdl
+    from deepflash.models import pdl
     from deepflash.models.decode_kernel import decode_attention
     from deepflash.models.gemv_kernel import linear, norm_linear, silu_linear
     from deepflash.models.pdl import dependent
@@ -116,9 +116,6 @@ def model_kernels():
             silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, None, None, 1e-6)
             decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
-            decode_kernel.MERGE_PREFETCH = True  # the merge loading each next tile first
-            decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
-            decode_kernel.MERGE_PREFETCH = False
             pdl.dependent = dependent
         # the greedy choice over the vocabulary (SmolLM2's, or Qwen3's)
         rows_argmax(torch.zeros(t, 49152 if hidden == 576 else 151936, dtype=dtype))

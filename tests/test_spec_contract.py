@@ -142,7 +142,7 @@ def test_steps_have_no_host_syncs():
     steps = engine.steps
     torch._dynamo.reset()
     steps.state.start.fill_(0)  # the prefill step reads the prompt from its start
-    for fn, args in [(steps.prefill, (8, 256, params)), (steps.draft, (8, 256)), (steps.verify, (8, 256, params)),
+    for fn, args in [(steps.prefill, (8, 256, params)), (steps.speculate, (8, 256, params)),
                      (steps.plain, (256, params))]:
         torch.compile(fn, fullgraph=True, backend="eager")(*args)
 
@@ -230,7 +230,7 @@ def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(mon
     monkeypatch.setattr(engine.controller, "use_spec", lambda region: next(pattern))
     steps, draft, checked = engine.steps, engine.steps.draft, []
 
-    def draft_after_checking(size, span):
+    def draft_after_checking(size, span, q_pos):
         # the span the draft attends over bounds every position the drafter's context holds
         assert max(int(tags.max()) for tags in steps.context.tags) < span
         start = int(engine.state.start)
@@ -246,7 +246,7 @@ def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(mon
                 for mine, ref in ((steps.context.k, rebuilt.k), (steps.context.v, rebuilt.v)):
                     torch.testing.assert_close(mine[layer][:, :, ours[0]], ref[layer][:, :, slot])
         checked.append(start)
-        draft(size, span)
+        draft(size, span, q_pos)
 
     monkeypatch.setattr(steps, "draft", draft_after_checking)
     ids = prompt(20, seed=3)

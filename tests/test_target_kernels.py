@@ -116,31 +116,6 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
             assert torch.equal(block[:, :, i : i + 1], alone), (first, i)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prefetching_merge_adds_the_same_sums(dtype, monkeypatch):
-    """decode_kernel.MERGE_PREFETCH changes only when the merge loads a tile: the same bits over spans of one
-    and of several merge tiles (two chunks a tile here), at 1 query and at 16."""
-    from deepflash.models import decode_kernel
-    from deepflash.models.decode_kernel import CHUNK, decode_attention
-
-    monkeypatch.setattr(decode_kernel, "MERGE_TILE", 2)
-    gen = torch.Generator().manual_seed(11)
-    kv_heads, groups, dim, slots = 1, 3, 16, CHUNK * 2 * 5
-    k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    for first, tokens, span in [(3, 1, 32), (40, 16, 64), (150, 1, slots), (100, 16, slots)]:
-        q = torch.randn(1, kv_heads * groups, tokens, dim, generator=gen).to(DEVICE, dtype)
-        positions = torch.arange(first, first + tokens, device=DEVICE)
-        outputs = []
-        for prefetch in (False, True):
-            monkeypatch.setattr(decode_kernel, "MERGE_PREFETCH", prefetch)
-            outputs.append(decode_attention(q, k, v, positions, span))
-        assert torch.equal(*outputs), (first, tokens, span)
-        monkeypatch.setattr(decode_kernel, "MERGE_TILE", 256)  # one tile: other sums, the same attention
-        close = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(outputs[1], decode_attention(q, k, v, positions, span), rtol=close, atol=close)
-        monkeypatch.setattr(decode_kernel, "MERGE_TILE", 2)
-
-
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_a_rope_tile_computes_each_token_alone(qk_norm, monkeypatch):
     """rope_and_write over 7 tokens in tiles of 4 (one part-filled) writes, bit for bit, what 7 one-token

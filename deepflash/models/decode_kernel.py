@@ -51,15 +51,12 @@ ROWS = 16
 # few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
 # prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session). 64-chunk
 # tiles cut a 16-token verify's merges by ~9 us at short prompts but cost plain decode 8% at a 5849-token
-# one (three tiles in turn; forty-third session).
+# one (three tiles in turn; forty-third session); loading each next tile before reducing the current one won
+# back under a third of that loss (forty-fourth session).
 MERGE_TILE = 256
 MERGE_DIMS = 16
 # warps per merge program (Triton's default); 1, 2 and 8 measured no faster (forty-third session)
 MERGE_WARPS = 4
-# The merge loads the next tile before it reduces the current one, so that a span of several tiles waits
-# for memory about once, not once per tile: narrower tiles might then cost long spans little (the same sums
-# in the same order either way). Not measured yet (False: each tile loaded when it is reduced, as measured).
-MERGE_PREFETCH = False
 # Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
 # (tl.dot off by 1e10 against torch): there the products run in float32; the GPU keeps the tensor cores
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -93,8 +90,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _merge[(b * kv_heads * t * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups,
                                                       GROUP_PAD=group_pad, DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
                                                       TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE),
-                                                      PREFETCH=MERGE_PREFETCH, GDC=dependent, enable_fp_fusion=False,
-                                                      launch_pdl=dependent, num_warps=MERGE_WARPS)
+                                                      GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent,
+                                                      num_warps=MERGE_WARPS)
     return out.transpose(1, 2)
 
 
@@ -156,31 +153,9 @@ if triton is not None:
         tl.store(out + DIM, m, mask=live)
         tl.store(out + DIM + 1, total, mask=live)
 
-    @triton.jit
-    def _merge_loads(partial, row, g, d, splits, first, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-                     TILE_SPLITS: tl.constexpr):
-        """A tile's parts from chunk `first` on: (m [TILE_SPLITS], total, acc [TILE_SPLITS, DIMS]); a chunk
-        past `splits` reads as m = -1e30, total 0 and acc 0."""
-        sp = first + tl.arange(0, TILE_SPLITS)
-        live = sp < splits
-        at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [TILE_SPLITS]
-        m = tl.load(partial + at + DIM, mask=live, other=-1e30)
-        total = tl.load(partial + at + DIM + 1, mask=live, other=0.0)
-        return m, total, tl.load(partial + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
-
-    @triton.jit
-    def _merge_add(best, norm, acc, m, total, part):
-        """The running (best, norm, acc) with one tile's parts added."""
-        best_new = tl.maximum(best, tl.max(m, axis=0))
-        weight = tl.exp(m - best_new)
-        keep = tl.exp(best - best_new)
-        norm = norm * keep + tl.sum(total * weight, axis=0)
-        return best_new, norm, acc * keep + tl.sum(part * weight[:, None], axis=0)
-
     @triton.jit(do_not_specialize=["T"])
     def _merge(partial, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-               DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr, PREFETCH: tl.constexpr,
-               GDC: tl.constexpr):
+               DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the chunks and their writes
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
@@ -195,23 +170,20 @@ if triton is not None:
         acc = tl.zeros((DIMS,), tl.float32)
         # tile by tile in a fixed order; a tile past `splits` is skipped, and one past the query's position
         # holds m = -1e30, total 0 and acc 0, which leave best, norm and acc exactly as they were
-        if PREFETCH:
-            m, total, part = _merge_loads(partial, row, g, d, splits, 0, GROUP_PAD, DIM, TILE_SPLITS)
-            for tile in range(TILES):
-                if (tile + 1) * TILE_SPLITS < splits:  # the next tile's loads go out before this one's sums
-                    m_next, total_next, part_next = _merge_loads(partial, row, g, d, splits, (tile + 1) * TILE_SPLITS,
-                                                                 GROUP_PAD, DIM, TILE_SPLITS)
-                else:
-                    m_next, total_next, part_next = m, total, part
-                if tile * TILE_SPLITS < splits:
-                    best, norm, acc = _merge_add(best, norm, acc, m, total, part)
-                m, total, part = m_next, total_next, part_next
-        else:
-            for tile in range(TILES):
-                if tile * TILE_SPLITS < splits:
-                    m, total, part = _merge_loads(partial, row, g, d, splits, tile * TILE_SPLITS, GROUP_PAD, DIM,
-                                                  TILE_SPLITS)
-                    best, norm, acc = _merge_add(best, norm, acc, m, total, part)
+        for tile in range(TILES):
+            if tile * TILE_SPLITS < splits:
+                sp = tile * TILE_SPLITS + tl.arange(0, TILE_SPLITS)
+                live = sp < splits
+                at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [TILE_SPLITS]
+                m = tl.load(partial + at + DIM, mask=live, other=-1e30)
+                total = tl.load(partial + at + DIM + 1, mask=live, other=0.0)
+                part = tl.load(partial + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
+                best_new = tl.maximum(best, tl.max(m, axis=0))
+                weight = tl.exp(m - best_new)
+                keep = tl.exp(best - best_new)
+                norm = norm * keep + tl.sum(total * weight, axis=0)
+                acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
+                best = best_new
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, (acc / norm).to(out.dtype.element_ty))

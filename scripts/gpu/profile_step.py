@@ -209,7 +209,7 @@ def main():
                          "256-token prompt (SmolLM2 shape, Triton kernels)")
     ap.add_argument("--set", default="", metavar="SWITCH;...",
                     help="module switches set before anything runs (ab_setup.parse_switches), e.g. "
-                         "'models.decode_kernel.MERGE_TILE:64;models.decode_kernel.MERGE_PREFETCH:True'")
+                         "'models.decode_kernel.MERGE_TILE:64;models.decode_kernel.MERGE_WARPS:2'")
     args = ap.parse_args()
     for (module, name), value in parse_switches(args.set).items():
         setattr(module, name, value)
