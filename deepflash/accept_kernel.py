@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .mailbox import Mailbox
+
 try:
     import triton
     import triton.language as tl
@@ -19,17 +21,25 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
 KERNEL = True  # False: the torch form on CUDA too (scripts/gpu/kernels_ab.py --arm "...=accept_kernel.KERNEL:False")
+# the kernel also posts the result to the host (the mailbox's slot), where mailbox.post_kernel ran after it
+# (False: that kernel, scripts/gpu/kernels_ab.py --arm "...=accept_kernel.POSTS:False")
+POSTS = True
 
 
 def accept(drafts: torch.Tensor, choices: torch.Tensor, result: torch.Tensor, last: torch.Tensor,
-           start: torch.Tensor, kept: torch.Tensor) -> None:
+           start: torch.Tensor, kept: torch.Tensor, mailbox: Mailbox) -> None:
     """drafts [B-1] and the target's choices [B] at the block's positions (int64): accepted = the
     longest prefix with drafts[k] == choices[k]; writes result[0] = accepted, result[1:B+1] = choices,
-    last = choices[accepted] (the bonus token), kept = accepted + 1, and start += kept. The kernel on
-    CUDA, accept_torch elsewhere."""
+    last = choices[accepted] (the bonus token), kept = accepted + 1, and start += kept; then posts
+    result[:B+1] to the mailbox. The kernel on CUDA (posting too, where the mailbox takes a kernel's
+    writes), accept_torch and Mailbox.post elsewhere."""
     if not KERNEL or choices.device.type != "cuda" or triton is None:
-        return accept_torch(drafts, choices, result, last, start, kept)
-    accept_kernel(drafts, choices, result, last, start, kept)
+        accept_torch(drafts, choices, result, last, start, kept)
+        return mailbox.post(result)
+    posts = POSTS and mailbox.direct
+    accept_kernel(drafts, choices, result, last, start, kept, (mailbox.posted, mailbox.host) if posts else None)
+    if not posts:
+        mailbox.post(result)
 
 
 def accept_torch(drafts, choices, result, last, start, kept) -> None:
@@ -41,18 +51,24 @@ def accept_torch(drafts, choices, result, last, start, kept) -> None:
     start += kept
 
 
-def accept_kernel(drafts, choices, result, last, start, kept) -> None:
-    """The kernel (what accept runs on CUDA; the tests run it in Triton's interpreter)."""
+def accept_kernel(drafts, choices, result, last, start, kept, mailbox=None) -> None:
+    """The kernel (what accept runs on CUDA; the tests run it in Triton's interpreter). mailbox: (posted,
+    slots) of a Mailbox, whose slot posted % slots gets [posted, result[:B+1]] and posted += 1 (as
+    mailbox.post_kernel writes them), or None."""
     size = choices.shape[0]
     assert drafts.shape[0] == size - 1 and result.shape[0] >= size + 1, (drafts.shape, choices.shape, result.shape)
-    _accept[(1,)](drafts, choices, result, last, start, kept, SIZE=size, BLOCK=triton.next_power_of_2(size),
-                  num_warps=1)
+    posted, slots = mailbox if mailbox is not None else (start, result[None])  # unread without POST
+    assert mailbox is None or slots.shape[1] >= size + 2, (slots.shape, size)
+    _accept[(1,)](drafts, choices, result, last, start, kept, posted, slots, SIZE=size,
+                  BLOCK=triton.next_power_of_2(size + 2), POST=mailbox is not None, SLOTS=slots.shape[0],
+                  ROW=slots.shape[1], num_warps=1)
 
 
 if triton is not None:
 
     @triton.jit
-    def _accept(drafts, choices, result, last, start, kept, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    def _accept(drafts, choices, result, last, start, kept, posted, slots, SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                POST: tl.constexpr, SLOTS: tl.constexpr, ROW: tl.constexpr):
         i = tl.arange(0, BLOCK)
         chosen = tl.load(choices + i, mask=i < SIZE, other=0)
         drafted = tl.load(drafts + i, mask=i < SIZE - 1, other=0)
@@ -65,3 +81,9 @@ if triton is not None:
         tl.store(last, bonus)
         tl.store(kept, (accepted + 1).to(tl.int64))
         tl.store(start, tl.load(start) + accepted + 1)
+        if POST:  # [step number, accepted, choices...] into the mailbox's slot (mailbox._post's row)
+            number = tl.load(posted)
+            chosen_before = tl.load(choices + i - 2, mask=(i >= 2) & (i < SIZE + 2), other=0)
+            row = tl.where(i == 0, number, tl.where(i == 1, accepted.to(tl.int64), chosen_before))
+            tl.store(slots + (number % SLOTS) * ROW + i, row, mask=i < SIZE + 2)
+            tl.store(posted, number + 1)

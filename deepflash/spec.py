@@ -134,8 +134,7 @@ class Steps:
         logits, _ = self.target(s.blocks[1:, :size], q_pos, self.cache, kv_len, capture=self.taps,
                                 on_features=functools.partial(self._commit_beside, q_pos))
         choices = choose(logits[0], filled(q_pos, params), params, s.seed)
-        accept(s.drafts[: size - 1], choices, s.result, s.last, s.start, s.kept)
-        s.mailbox.post(s.result)
+        accept(s.drafts[: size - 1], choices, s.result, s.last, s.start, s.kept, s.mailbox)
         self.cache.keep(s.kept)
         if self.aside is not None:  # the step ends when the commit has
             torch.cuda.current_stream().wait_stream(self.aside)

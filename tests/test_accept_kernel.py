@@ -48,3 +48,22 @@ def test_post_kernel_writes_what_the_torch_form_writes():
         box.post(result)
         post_kernel(result.to(DEVICE), posted, host)
         assert torch.equal(host.cpu(), box.host) and int(posted) == number + 1
+
+
+@pytest.mark.parametrize("size", [3, 16])
+def test_accept_kernel_posts_what_the_post_after_it_would(size):
+    """The acceptance kernel with the mailbox (accept_kernel.POSTS) writes the step's slot and count as
+    the torch acceptance followed by Mailbox.post does, over more steps than slots."""
+    gen = torch.Generator().manual_seed(size)
+    box = Mailbox(3, size + 1, torch.device("cpu"))
+    host = torch.full_like(box.host, -1, device=DEVICE)
+    posted = torch.zeros((), dtype=torch.long, device=DEVICE)
+    for number in range(5):
+        choices = torch.randint(0, 50_000, (size,), generator=gen)
+        drafts = choices[:-1].clone()
+        drafts[number % (size - 1)] += 1
+        got = outputs(lambda *args: accept_kernel(*args, mailbox=(posted, host)), drafts, choices, 10)
+        want = outputs(accept_torch, drafts, choices, 10)
+        box.post(want[0])
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+        assert torch.equal(host.cpu(), box.host) and int(posted) == number + 1

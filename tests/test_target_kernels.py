@@ -100,14 +100,17 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
     """Each query of a multi-token step equals, bit for bit, a one-token step at its position, whatever
     the cache span (CUDA-graph buckets differ between the two): what keeps greedy speculative decoding
     equal to plain decoding under bf16 rounding."""
-    from deepflash.models.decode_kernel import CHUNK, MERGE_TILE, decode_attention
+    from deepflash.models.decode_kernel import CHUNK, MERGE_TILES, decode_attention
 
     gen = torch.Generator().manual_seed(7)
-    kv_heads, groups, dim, slots = 1, 3, 16, CHUNK * MERGE_TILE * 2 + 64  # spans of one and of several merge tiles
+    narrow, middle, wide = (CHUNK * tile for tile in MERGE_TILES)  # the keys of each merge tile width
+    kv_heads, groups, dim, slots = 1, 3, 16, wide * 2 + 64  # spans of one and of several widest tiles
     k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
     # tiles of decode_kernel.ROWS query rows start at multiples of 4 positions (3 heads padded to 4):
-    # blocks across 5 tiles (16 tokens from 5) and part-filled ones (7 from 37)
-    for first, tokens, span in [(5, 16, 32), (37, 7, 64), (CHUNK * MERGE_TILE - 2, 4, slots)]:
+    # blocks across 5 tiles (16 tokens from 5) and part-filled ones (7 from 37); blocks whose rows take
+    # two merge tile widths
+    for first, tokens, span in [(5, 16, 32), (37, 7, 64), (narrow - 8, 16, narrow + 64), (middle - 3, 6, middle + 40),
+                                (wide - 2, 4, slots)]:
         q = torch.randn(1, kv_heads * groups, tokens, dim, generator=gen).to(DEVICE, dtype)
         block = decode_attention(q, k, v, torch.arange(first, first + tokens, device=DEVICE), span)
         for i in range(tokens):

@@ -12,7 +12,7 @@ against 5.0 ms at a 5.8K-token prompt, BENCHMARKS.md, tenth session).
 A query's result does not depend on the cache span or on the other queries of its step, bit for bit:
 the chunks are fixed, each query runs the same instructions of one binary (T is not specialised) in
 the same row of its tile (tiles are aligned to positions), and the merge walks the chunks in fixed
-tiles, where a chunk past the query's position contributes exact zeros. So a verify step computes each
+tiles whose width its position alone sets, and reads none past it. So a verify step computes each
 of its tokens exactly as a one-token decode step at that position would, and greedy speculative
 decoding keeps matching plain decoding under bf16 rounding (with SDPA for the verify and this kernel
 for plain steps it did not: 1 of 6 outputs equal, BENCHMARKS.md, sixth session).
@@ -46,14 +46,16 @@ CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over
 # position's row is position % tokens per tile, whatever the step), since a matrix product's row may
 # round by where it sits in the tile (numpy's does, in the interpreter).
 ROWS = 16
-# The merge reduces MERGE_TILE chunks at once (8192 keys: one tile for the embedded target's whole window)
-# in a program per (query token, query head, MERGE_DIMS head dims). Its tiles run one after another, so
-# few and wide: with 32-chunk tiles in one program per (token, kv head), plain decode at a 5.8K-token
-# prompt ran 603 tok/s, with these 771 (SmolLM2-135M on an H200, BENCHMARKS.md, seventh session). 64-chunk
-# tiles cut a 16-token verify's merges by ~9 us at short prompts but cost plain decode 8% at a 5849-token
-# one (three tiles in turn; forty-third session); loading each next tile before reducing the current one won
-# back under a third of that loss (forty-fourth session).
-MERGE_TILE = 256
+# The merge reduces a query's chunks in tiles, in a program per (query token, query head, MERGE_DIMS head
+# dims). Its tiles run one after another, so few and wide: with 32-chunk tiles in one program per (token, kv
+# head), plain decode at a 5.8K-token prompt ran 603 tok/s, with 256-chunk ones 771 (SmolLM2-135M on an
+# H200, BENCHMARKS.md, seventh session); 64-chunk tiles cost plain decode 8% at a 5849-token prompt (three
+# tiles in turn, forty-third session). But a wide tile's masked lanes cost a short span's rows their work
+# too: a 16-token verify's merges took 96 us a step against 52 for one token (forty-fourth session). So a
+# row's tile width follows the chunks it sees (its own position, never the step or the cache span, so a
+# position is merged the same way in every step): the first width of MERGE_TILES that holds them all, the
+# last one's tiles in turn beyond.
+MERGE_TILES = (16, 64, 256)
 MERGE_DIMS = 16
 # warps per merge program (Triton's default); 1, 2 and 8 measured no faster (forty-third session)
 MERGE_WARPS = 4
@@ -84,12 +86,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # written as [B, T, H, D], what the output projection reads: the caller's transpose back is then free,
     # where from [B, H, T, D] a verify step copied it in every layer (30 copy kernels per SmolLM2 step)
     out = torch.empty((b, t, heads, dim), dtype=q.dtype, device=q.device)
-    # the merge's loop runs to the whole cache's tiles and skips those past `splits`: a constant bound (Triton's
-    # interpreter, which the CPU tests use, cannot loop to a runtime bound under numpy 2), one binary per cache
+    # the merge's widest tiles loop to the whole cache's count and skip those past a row's chunks: a constant
+    # bound (Triton's interpreter, which the CPU tests use, cannot loop to a runtime bound under numpy 2), one
+    # binary per cache
     dims = min(MERGE_DIMS, dim)
-    _merge[(b * kv_heads * t * groups, dim // dims)](partial, out, t, kv_heads, splits, GROUPS=groups,
-                                                      GROUP_PAD=group_pad, DIM=dim, DIMS=dims, TILE_SPLITS=MERGE_TILE,
-                                                      TILES=triton.cdiv(k_cache.shape[2], CHUNK * MERGE_TILE),
+    narrow, middle, wide = MERGE_TILES
+    _merge[(b * kv_heads * t * groups, dim // dims)](partial, positions, out, t, kv_heads, splits, GROUPS=groups,
+                                                      GROUP_PAD=group_pad, DIM=dim, DIMS=dims, CHUNK=CHUNK,
+                                                      NARROW=narrow, MIDDLE=middle, WIDE=wide,
+                                                      TILES=triton.cdiv(k_cache.shape[2], CHUNK * wide),
                                                       GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent,
                                                       num_warps=MERGE_WARPS)
     return out.transpose(1, 2)
@@ -153,28 +158,20 @@ if triton is not None:
         tl.store(out + DIM, m, mask=live)
         tl.store(out + DIM + 1, total, mask=live)
 
-    @triton.jit(do_not_specialize=["T"])
-    def _merge(partial, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-               DIMS: tl.constexpr, TILE_SPLITS: tl.constexpr, TILES: tl.constexpr, GDC: tl.constexpr):
-        if GDC:  # launched as a dependent (pdl.py): wait for the chunks and their writes
-            tl.extra.cuda.gdc_wait()
-        row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
-        g = tl.program_id(0) % GROUPS
-        bh = row // T
-        token = row % T
-        b = bh // kv_heads
-        head = (bh % kv_heads) * GROUPS + g
-        d = tl.program_id(1) * DIMS + tl.arange(0, DIMS)
+    @triton.jit
+    def _merge_tiles(partial, row, g, d, seen, splits, WIDTH: tl.constexpr, TILES: tl.constexpr,
+                     GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIMS: tl.constexpr):
+        """(softmax normaliser, weighted values [DIMS]) of a row's first `seen` chunks, WIDTH at a time in a
+        fixed order; a tile past them is skipped, and one past the query's position holds m = -1e30, total 0
+        and acc 0, which leave best, norm and acc exactly as they were."""
         best = -1e30
         norm = 0.0
         acc = tl.zeros((DIMS,), tl.float32)
-        # tile by tile in a fixed order; a tile past `splits` is skipped, and one past the query's position
-        # holds m = -1e30, total 0 and acc 0, which leave best, norm and acc exactly as they were
         for tile in range(TILES):
-            if tile * TILE_SPLITS < splits:
-                sp = tile * TILE_SPLITS + tl.arange(0, TILE_SPLITS)
-                live = sp < splits
-                at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [TILE_SPLITS]
+            if tile * WIDTH < seen:
+                sp = tile * WIDTH + tl.arange(0, WIDTH)
+                live = sp < seen
+                at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [WIDTH]
                 m = tl.load(partial + at + DIM, mask=live, other=-1e30)
                 total = tl.load(partial + at + DIM + 1, mask=live, other=0.0)
                 part = tl.load(partial + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
@@ -184,6 +181,29 @@ if triton is not None:
                 norm = norm * keep + tl.sum(total * weight, axis=0)
                 acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
                 best = best_new
+        return norm, acc
+
+    @triton.jit(do_not_specialize=["T"])
+    def _merge(partial, positions, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
+               DIM: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr, NARROW: tl.constexpr,
+               MIDDLE: tl.constexpr, WIDE: tl.constexpr, TILES: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the chunks and their writes
+            tl.extra.cuda.gdc_wait()
+        row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
+        g = tl.program_id(0) % GROUPS
+        bh = row // T
+        token = row % T
+        b = bh // kv_heads
+        head = (bh % kv_heads) * GROUPS + g
+        d = tl.program_id(1) * DIMS + tl.arange(0, DIMS)
+        # the chunks this row sees (keys 0..its position, as in _chunk): its position alone sets the tiles
+        seen = tl.minimum(tl.load(positions + token).to(tl.int32) // CHUNK + 1, splits)
+        if seen <= NARROW:
+            norm, acc = _merge_tiles(partial, row, g, d, seen, splits, NARROW, 1, GROUP_PAD, DIM, DIMS)
+        elif seen <= MIDDLE:
+            norm, acc = _merge_tiles(partial, row, g, d, seen, splits, MIDDLE, 1, GROUP_PAD, DIM, DIMS)
+        else:
+            norm, acc = _merge_tiles(partial, row, g, d, seen, splits, WIDE, TILES, GROUP_PAD, DIM, DIMS)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, (acc / norm).to(out.dtype.element_ty))

@@ -3,7 +3,11 @@ under torch.profiler), then decode tok/s with CUDA graphs, for random-weight bf1
 SmolLM2-135M and Qwen3-8B. Ends with one JSON line."""
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
+import time
 from collections import defaultdict
 
 import torch
@@ -12,6 +16,7 @@ from ab_setup import parse_switches
 from deepflash.bench.speed import QWEN3_8B, SMOLLM2_135M, random_engine, run_engine
 from deepflash.drafter import load_drafter
 from deepflash.engine import Engine
+from deepflash.graphs import kv_bucket
 from deepflash.models import decode_kernel, rope_kernel
 from deepflash.runtime import DEFAULT_DRAFTER
 from deepflash.sampling import SamplingParams
@@ -77,6 +82,49 @@ def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
                      for (a, b), (n, t) in top],
             "one_step": [{"kernel": name, "start_us": start - one[0][0], "us": end - start, "stream": stream}
                          for start, end, name, stream in one]}
+
+
+def graph_steps(engine: Engine, prompt: list[int], counts: list[int], replays: int = 48) -> dict:
+    """Where a step's time goes between the device and the host. The engine loop's decode us per token (128
+    tokens, after an identical untimed request) and its host time by function (cProfile, one more request);
+    then the device us per step when K consecutive steps share one CUDA graph (K in `counts`), replayed back
+    to back with nothing on the host between, and the host's us per replay call: against K = 1, what the
+    boundary between two step graphs costs the GPU. The engine's own steps (plain, or spec-on when it has a
+    drafter), all at one KV bucket."""
+    params = SamplingParams(max_new_tokens=128)
+    engine.complete(prompt, params)
+    result = engine.complete(prompt, params)
+    timings = {"engine_loop_us_per_token": 1e6 * result.decode_s / (len(result.token_ids) - 1)}
+    profiler = cProfile.Profile()
+    profiler.runcall(engine.complete, prompt, params)
+    engine.wait_idle()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+    timings["host_profile"] = out.getvalue()
+    size = engine.block_size if engine.drafter is not None else 1
+    kv_len = kv_bucket(len(prompt) + 3 * 128 + size * max(counts) * (replays + 1), engine.max_ctx)
+
+    def step():
+        if engine.drafter is not None:
+            engine.steps.speculate(size, kv_len, params)
+        else:
+            engine.steps.plain(kv_len, params)
+
+    for count in counts:
+        engine.graphs.run(("probe", count), lambda: [step() for _ in range(count)])  # captures, runs once
+        graph = engine.graphs.graphs[("probe", count)]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        begin.record()
+        host = time.perf_counter()
+        for _ in range(replays // count):
+            graph.replay()
+        host = time.perf_counter() - host
+        end.record()
+        end.synchronize()
+        timings[count] = {"device_us_per_step": 1000 * begin.elapsed_time(end) / (replays // count * count),
+                          "host_us_per_replay": 1e6 * host / (replays // count)}
+    return timings
 
 
 def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
@@ -207,9 +255,12 @@ def main():
     ap.add_argument("--timeline", action="store_true",
                     help="only the idle time between kernels of CUDA-graph steps, spec on and plain, after a "
                          "256-token prompt (SmolLM2 shape, Triton kernels)")
+    ap.add_argument("--graph-steps", metavar="K,...",
+                    help="only the device us per step with K steps in one CUDA graph replayed back to back, spec on "
+                         "and plain (SmolLM2 shape, Triton kernels, 256-token prompt), e.g. 1,2,4")
     ap.add_argument("--set", default="", metavar="SWITCH;...",
                     help="module switches set before anything runs (ab_setup.parse_switches), e.g. "
-                         "'models.decode_kernel.MERGE_TILE:64;models.decode_kernel.MERGE_WARPS:2'")
+                         "'models.decode_kernel.MERGE_TILES:(64, 64, 64);models.decode_kernel.MERGE_WARPS:2'")
     args = ap.parse_args()
     for (module, name), value in parse_switches(args.set).items():
         setattr(module, name, value)
@@ -245,6 +296,18 @@ def main():
             print("  one step, kernel by kernel (start us, length us, stream):")
             for row in line["one_step"]:
                 print(f"  {row['start_us']:8.1f} {row['us']:6.2f} {row['stream']:>4}  {row['kernel']}")
+    if args.graph_steps:
+        plain = random_engine(SMOLLM2_135M, args.device, target_kernels="triton")
+        drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
+        counts = [int(k) for k in args.graph_steps.split(",")]
+        record.setdefault("smollm2-shaped", {})["graph_steps"] = {
+            "spec_on": graph_steps(sibling(plain, drafter, spec="on", target_kernels="triton"), prompt, counts),
+            "plain": graph_steps(plain, prompt, counts)}
+        for name, timings in record["smollm2-shaped"]["graph_steps"].items():
+            print(timings["host_profile"])
+            per_graph = ", ".join(f"{k} steps a graph {timings[k]['device_us_per_step']:.1f} us/step on the device, "
+                                  f"{timings[k]['host_us_per_replay']:.1f} us/replay on the host" for k in counts)
+            print(f"  {name}: engine loop {timings['engine_loop_us_per_token']:.1f} us/token; {per_graph}")
     for key, wanted, at, steps in (("depth", args.depth, LONG_PROMPT, 48), ("short", args.short, prompt, 64)):
         if wanted:
             record.setdefault("smollm2-shaped", {})[key] = depth_profile(random_engine(SMOLLM2_135M, args.device), at,
@@ -253,7 +316,7 @@ def main():
                 print_top(f"{name} after {len(at)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
                           prof["top"][:12])
     alone = (args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short or args.qwen3
-             or args.timeline)
+             or args.timeline or args.graph_steps)
     shapes = [] if alone else [("smollm2-shaped", SMOLLM2_135M), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
         eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
