@@ -22,7 +22,9 @@ except ImportError:  # torch's CPU builds do not bring Triton
 
 KERNEL = True  # False: the torch form on CUDA too (scripts/gpu/kernels_ab.py --arm "...=accept_kernel.KERNEL:False")
 # the kernel also posts the result to the host (the mailbox's slot), where mailbox.post_kernel ran after it
-# (False: that kernel, scripts/gpu/kernels_ab.py --arm "...=accept_kernel.POSTS:False")
+# (False: that kernel, scripts/gpu/kernels_ab.py --arm "...=accept_kernel.POSTS:False"): a spec step's device
+# time -0.1% / -0.3% on the embedded pair, no difference beyond the rounds' spread on the random target
+# (BENCHMARKS.md, forty-fifth session)
 POSTS = True
 
 

@@ -54,9 +54,12 @@ ROWS = 16
 # too: a 16-token verify's merges took 96 us a step against 52 for one token (forty-fourth session). So a
 # row's tile width follows the chunks it sees (its own position, never the step or the cache span, so a
 # position is merged the same way in every step): the first width of MERGE_TILES that holds them all, the
-# last one's tiles in turn beyond.
+# last one's tiles in turn beyond. Against 256 for every row: a spec step's device time -2.4%, plain decode +1.9%
+# on the embedded pair (BENCHMARKS.md, forty-fifth session).
 MERGE_TILES = (16, 64, 256)
-MERGE_DIMS = 16
+# Head dims per merge program: at 64 a spec step's device time -1.8% against 16 (32: -1.5%), short prompts' plain
+# decode -0.3 to -0.8%, but the 5849-token prompt's -3.3% (its rows take the 256-chunk tiles; forty-fifth session)
+MERGE_DIMS = 64
 # warps per merge program (Triton's default); 1, 2 and 8 measured no faster (forty-third session)
 MERGE_WARPS = 4
 # Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
