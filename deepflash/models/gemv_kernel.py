@@ -51,6 +51,9 @@ OUTPUT_PROJECTIONS = True
 # separate kernels and torch's GEMM cost, and slower than the GEMM alone except on the o projection
 # (forty-second session).
 MAX_WEIGHT_BYTES = 8 << 20
+# a projection with no prologue walks whole reductions up to this weight size, else splits them (_launch): apart
+# from MAX_WEIGHT_BYTES, so that an A/B of the larger weights here keeps their reductions split
+WHOLE_MAX_BYTES = 8 << 20
 DTYPES = (torch.bfloat16, torch.float32)
 # (widest reduction, most outputs, (BLOCK_N, BLOCK_K, num_warps, num_stages, weight first)): the first entry
 # whose bounds a weight [outputs, reduction] is within. Weight first: the product is weight tile @ rows.T, the
@@ -147,10 +150,9 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     blocks = triton.cdiv(n, block_n)
     assert blocks <= MAX_BLOCKS, (n, block_n)
     # no prologue: each program walks its whole reduction, whose loads then pipeline (SmolLM2's o
-    # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session); a weight
-    # too large for the engine to send here (gemv_bench.py's Qwen3-8B o projection) splits: whole, its 32
-    # column blocks would leave most SMs idle
-    whole = mode == PLAIN and small(weight)
+    # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session); a larger
+    # weight (gemv_bench.py's Qwen3-8B o projection) splits: whole, its 32 column blocks would leave most SMs idle
+    whole = mode == PLAIN and weight.numel() * weight.element_size() <= WHOLE_MAX_BYTES
     slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, 0 if whole else WAVES)
     # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
     squares_at = slices * rows * n if slices > 1 else 0
