@@ -51,7 +51,8 @@ def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
     """Device time of graph-replayed steps as the GPU saw it: the span from the first kernel to the last,
     the time some kernel ran (the union over streams) and the idle rest, and the largest idle gaps by
     the kernels on either side (names cut to 60 characters), per step; then one step in the middle
-    kernel by kernel (each decode step ends with the mailbox's `_post`): its start and length, and the
+    kernel by kernel (each decode step ends with the kernel that posts its result to the mailbox: `_post`,
+    or a speculative step's acceptance, `_accept`, where it posts itself): its start and length, and the
     stream it ran on. An eager profile (kernel_profile) sums kernel times; it cannot show what the
     launches between kernels and graphs cost, nor which kernels wait for which."""
     params = SamplingParams(max_new_tokens=steps)
@@ -73,7 +74,8 @@ def timeline(engine: Engine, prompt: list[int], steps: int) -> dict:
             reach, before = end, name
     span = reach - spans[0][0]
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:25]
-    posts = [i for i, (_, _, name, _) in enumerate(spans) if name == "_post"]
+    posts = ([i for i, (_, _, name, _) in enumerate(spans) if name == "_post"]
+             or [i for i, (_, _, name, _) in enumerate(spans) if name == "_accept"])
     middle = len(posts) // 2
     one = spans[posts[middle - 1] + 1 : posts[middle] + 1] if len(posts) >= 2 else []
     return {"steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
