@@ -18,6 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_BYTES = 227 * 1024  # an H100/H200 block's most shared memory
@@ -30,6 +31,8 @@ compiled = []
 def type_of(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + TYPES[value.dtype]
+    if isinstance(value, TensorDescriptor):
+        return f"tensordesc<{TYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -116,6 +119,13 @@ def model_kernels():
             silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, None, None, 1e-6)
             decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
+            pdl.dependent = dependent
+        if hidden == 4096:  # Qwen3-8B's projections as dependents: their weight tiles through TMA (LARGE_CONFIGS)
+            pdl.dependent = lambda device: True
+            norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
+            norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, torch.zeros(2 * inner, hidden, dtype=dtype))
+            silu_linear(torch.zeros(t, 2 * inner, dtype=dtype), torch.zeros(hidden, inner, dtype=dtype))
+            linear(torch.zeros(t, heads * dim, dtype=dtype), torch.zeros(hidden, heads * dim, dtype=dtype))
             pdl.dependent = dependent
         # the greedy choice over the vocabulary (SmolLM2's, or Qwen3's)
         rows_argmax(torch.zeros(t, 49152 if hidden == 576 else 151936, dtype=dtype))

@@ -257,7 +257,7 @@ def test_checkpoint_tensors_that_fusion_replaces_are_freed_while_building():
 
 @pytest.fixture
 def transposed_weights(monkeypatch):
-    """layers.gemm_layout on the CPU too, for every weight over 1 KiB (on CUDA: over 8 MiB)."""
+    """layers.gemm_layout on the CPU too, for every weight over 1 KiB (on CUDA: over gemv_kernel.MAX_WEIGHT_BYTES)."""
     monkeypatch.setattr(layers, "COLUMN_MAJOR_DEVICES", ("cpu",))
     monkeypatch.setattr(gemv_kernel, "MAX_WEIGHT_BYTES", 1024)
 

@@ -37,6 +37,7 @@ from .decode_kernel import INTERPRETED
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # torch's CPU builds do not bring Triton
     triton = None
 
@@ -44,30 +45,36 @@ TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
 MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/kernels_ab.py)
 # the attention output projections too (layers.output_projection; False: torch's GEMM, scripts/gpu/kernels_ab.py)
 OUTPUT_PROJECTIONS = True
-# Larger weights take torch's GEMM: it streams them at 0.7-0.99 of the copy bandwidth where these
-# kernels reached 0.13-0.33 (Qwen3-8B's projections, 48-192 MB); up to SmolLM2-135M's 3.4 MB the time
-# is launch and latency, and one fused kernel costs less than two (BENCHMARKS.md, nineteenth session).
-# With the weight first (CONFIGS) they reach 0.60-0.92 on Qwen3-8B's, with their prologues about what the
-# separate kernels and torch's GEMM cost, and slower than the GEMM alone except on the o projection
-# (forty-second session).
-MAX_WEIGHT_BYTES = 8 << 20
-# a projection with no prologue walks whole reductions up to this weight size, else splits them (_launch): apart
-# from MAX_WEIGHT_BYTES, so that an A/B of the larger weights here keeps their reductions split
-WHOLE_MAX_BYTES = 8 << 20
+# Larger weights take torch's GEMM: LM heads (Qwen3-8B's 1.16 GiB, which cuBLAS streams at 1.08 of the copy
+# bandwidth; the fused kernels have nothing to fuse there). Up to SmolLM2-135M's 3.4 MB the time is launch and
+# latency, and one fused kernel costs less than two (nineteenth session); Qwen3-8B's projections (33-192 MiB)
+# with their tiles through TMA (LARGE_CONFIGS) reach 0.81-0.97 of the copy bandwidth, with their prologues
+# inside, where add + norm (or silu * up) and torch's GEMM took 0.62-0.91 (BENCHMARKS.md, forty-sixth session).
+MAX_WEIGHT_BYTES = 512 << 20
+# weights up to this take CONFIGS, whose times are latency; larger ones LARGE_CONFIGS, whose time is streaming.
+# A projection with no prologue and a weight up to this walks whole reductions (_launch).
+SMALL_WEIGHT_BYTES = 8 << 20
 DTYPES = (torch.bfloat16, torch.float32)
-# (widest reduction, most outputs, (BLOCK_N, BLOCK_K, num_warps, num_stages, weight first)): the first entry
-# whose bounds a weight [outputs, reduction] is within. Weight first: the product is weight tile @ rows.T, the
-# weight on the M side, where Hopper's wgmma runs (M >= 64; 16 rows on that side take mma.sync). Measured on
-# SmolLM2-135M's projections (scripts/gpu/gemv_bench.py, us at 1 / 16 rows; BENCHMARKS.md forty-second
-# session): q/k/v 64x128x4x4 weight first 3.71 / 4.01 against 3.97 / 4.13; the down projection 32x128x4x4
-# weight first 4.49 / 4.95 against 64x64x4x6's 4.59 / 5.97 (the 16-row penalty of its 24 slices' parked sums
-# was most of that); gate/up and o keep 32x128x4x4 (forty-first session: fastest at both row counts there; the
-# weight-first forms measured were faster at 1 row and slower at 16).
-CONFIGS = ((1024, 640, (32, 128, 4, 4, False)),  # o (576 outputs)
-           (1024, 1024, (64, 128, 4, 4, True)),  # q/k/v (960)
-           (1024, None, (32, 128, 4, 4, False)),  # gate/up (3072)
-           (None, None, (32, 128, 4, 4, True)))  # down (1536 wide)
-WAVES = 4  # programs per SM that the reduction's split aims for (scripts/gpu/gemv_bench.py)
+# (widest reduction, most outputs, (BLOCK_N, BLOCK_K, num_warps, num_stages, weight first, waves, TMA)): the
+# first entry whose bounds a weight [outputs, reduction] is within. Weight first: the product is weight tile @
+# rows.T, the weight on the M side, where Hopper's wgmma runs (M >= 64; 16 rows on that side take mma.sync).
+# Waves: programs per SM that the reduction's split aims for (split). TMA: the weight tiles through a tensor
+# descriptor (Hopper, under a dependent launch; else plain loads). Measured on SmolLM2-135M's projections
+# (scripts/gpu/gemv_bench.py, us at 1 / 16 rows; BENCHMARKS.md forty-second session): q/k/v 64x128x4x4 weight
+# first 3.71 / 4.01 against 3.97 / 4.13; the down projection 32x128x4x4 weight first 4.49 / 4.95 against
+# 64x64x4x6's 4.59 / 5.97 (the 16-row penalty of its 24 slices' parked sums was most of that); gate/up and o
+# keep 32x128x4x4 (forty-first session: fastest at both row counts there; the weight-first forms measured were
+# faster at 1 row and slower at 16). TMA there: plain decode 1312 -> 1262 tok/s (forty-sixth session).
+CONFIGS = ((1024, 640, (32, 128, 4, 4, False, 4, False)),  # o (576 outputs)
+           (1024, 1024, (64, 128, 4, 4, True, 4, False)),  # q/k/v (960)
+           (1024, None, (32, 128, 4, 4, False, 4, False)),  # gate/up (3072)
+           (None, None, (32, 128, 4, 4, True, 4, False)))  # down (1536 wide)
+# Measured on Qwen3-8B's (gemv_bench.py, 1 row, us; forty-sixth session): 64x128x4x3 weight first, 2 waves,
+# TMA: q/k/v 17.6, gate/up 49.2, down 28.5, o 12.5; plain loads 20.7, 51.5, 34.8, 12.0. Two waves keep every
+# program resident at once (3 waves: Qwen3-8B-shaped MBU 0.846 -> 0.709; 4 stages, 2 programs an SM: 0.653).
+LARGE_CONFIGS = ((4096, 4096, (64, 256, 4, 2, True, 2, True)),  # o (4096 wide): 11.5 us
+                 (None, None, (64, 128, 4, 3, True, 2, True)))
+WAVES = None  # every shape's waves when set (the tests force splits with it; gemv_bench.py sweeps it)
 # Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
 # In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
 # its q/k/v and gate/up (9 slices at 64x64x4x6) 0.3-0.5 us slower. From 17 slices (the down projections): a plain
@@ -120,8 +127,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
-def config(width: int, outputs: int) -> tuple[int, int, int, int, bool]:
-    return next(c for max_width, max_outputs, c in CONFIGS
+def config(width: int, outputs: int, nbytes: int) -> tuple[int, int, int, int, bool, int, bool]:
+    """The tiling of a weight [outputs, width] of nbytes (CONFIGS, LARGE_CONFIGS)."""
+    table = CONFIGS if nbytes <= SMALL_WEIGHT_BYTES else LARGE_CONFIGS
+    return next(c for max_width, max_outputs, c in table
                 if (max_width is None or width <= max_width) and (max_outputs is None or outputs <= max_outputs))
 
 
@@ -144,7 +153,8 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=weight.dtype, device=x.device)
     upcast = weight.dtype == torch.float32 or INTERPRETED
-    block_n, block_k, warps, stages, weight_first = config(width, n)
+    nbytes = weight.numel() * weight.element_size()
+    block_n, block_k, warps, stages, weight_first, waves, tma = config(width, n, nbytes)
     # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
     block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
     blocks = triton.cdiv(n, block_n)
@@ -152,19 +162,23 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
     # no prologue: each program walks its whole reduction, whose loads then pipeline (SmolLM2's o
     # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session); a larger
     # weight (gemv_bench.py's Qwen3-8B o projection) splits: whole, its 32 column blocks would leave most SMs idle
-    whole = mode == PLAIN and weight.numel() * weight.element_size() <= WHOLE_MAX_BYTES
-    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, 0 if whole else WAVES)
+    whole = mode == PLAIN and nbytes <= SMALL_WEIGHT_BYTES
+    waves = 0 if whole else waves if WAVES is None else WAVES
+    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, waves)
     # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
     squares_at = slices * rows * n if slices > 1 else 0
     partial = torch.empty(squares_at + slices * blocks * TILE, dtype=torch.float32, device=x.device)
     dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
+    # TMA needs 16-byte aligned rows; the upcast products read the weight as any other load
+    tma = tma and dependent and not upcast and width * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
+    tiles = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if tma else weight
     arrivals = arrival_counters("gemv", MAX_BLOCKS, x.device)  # per column block
     _gemv[(blocks, slices)](
-        x.contiguous(), delta.contiguous(), gain, total, weight, weight if bias is None else bias, out,
+        x.contiguous(), delta.contiguous(), gain, total, weight, tiles, weight if bias is None else bias, out,
         partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode,
         HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
         BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=UNROLL_FROM is not None and slices >= UNROLL_FROM,
-        WEIGHT_FIRST=weight_first and not upcast, num_warps=warps, num_stages=stages, launch_pdl=dependent)
+        WEIGHT_FIRST=weight_first and not upcast, TMA=tma, num_warps=warps, num_stages=stages, launch_pdl=dependent)
     return out
 
 
@@ -213,10 +227,10 @@ if triton is not None:
         return acc + sums, squares + tl.load(partial_squares + (block * SLICES + j) * 16 + r, cache_modifier=".cg")
 
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
-    def _gemv(x, delta, gain, total, weight, bias, out, partial, partial_squares, arrivals, rows, n, eps,
+    def _gemv(x, delta, gain, total, weight, tiles, bias, out, partial, partial_squares, arrivals, rows, n, eps,
               WIDTH: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
               GDC: tl.constexpr, SLICES: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WEIGHT_FIRST: tl.constexpr):
+              BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WEIGHT_FIRST: tl.constexpr, TMA: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
             tl.extra.cuda.gdc_wait()
         block, piece = tl.program_id(0), tl.program_id(1)
@@ -231,8 +245,11 @@ if triton is not None:
             k = piece * SPAN + k0 + tl.arange(0, BLOCK_K)
             a, sq = _slice_rows(x, delta, gain, total, rows, r, k, block == 0, WIDTH, MODE, weight.dtype.element_ty)
             squares += sq
-            w = tl.load(weight + cols[:, None] * WIDTH + k[None, :], mask=(cols < n)[:, None] & (k < WIDTH)[None, :],
-                        other=0.0)
+            if TMA:  # zeros past the weight's edges, as the masked load
+                w = tiles.load([block * BLOCK_N, piece * SPAN + k0])
+            else:
+                w = tl.load(weight + cols[:, None] * WIDTH + k[None, :],
+                            mask=(cols < n)[:, None] & (k < WIDTH)[None, :], other=0.0)
             if UPCAST:  # float32 weights (tf32 would round them), or bfloat16 in the interpreter (decode_kernel.py):
                 # products summed per row, where numpy's matrix product rounds a row by its place in the tile
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)

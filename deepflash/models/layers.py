@@ -211,7 +211,7 @@ COLUMN_MAJOR_DEVICES = ("cuda",)  # where gemm_layout stores large weights trans
 
 def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
     """The [N, K] weight, stored as its transpose (strides (1, N): the same values and shape) where torch's
-    GEMM reads it: not gemv_kernel.small, on CUDA. cuBLAS then reads the weight
+    GEMM reads it in decode steps: not gemv_kernel.small (an LM head), on CUDA. cuBLAS then reads the weight
     untransposed, which streamed Qwen3-8B's q/k/v, gate/up, down and LM head weights 3-8% faster for 1
     and 16 rows (scripts/gpu/blas_layouts.py, BENCHMARKS.md, twenty-third session). Other weights, and
     one already stored so, come back as they are."""

@@ -32,6 +32,15 @@ def parse_switches(text: str) -> dict:
     return switches
 
 
+def set_switches(switches: dict) -> dict:
+    """Set module switches ({(module, NAME): value}, parse_switches); returns what they were, which
+    set_switches(returned) puts back."""
+    before = {key: getattr(*key) for key in switches}
+    for (module, name), value in switches.items():
+        setattr(module, name, value)
+    return before
+
+
 def embedded_ab(description: str, arguments=lambda ap: None, prepare=lambda args: None):
     """(args, target, tokenizer, prompts, drafter) for --device, --prompts (24), --random, --out and what
     `arguments` adds to the parser; prepare(args) runs before the pair loads (so that a bad argument

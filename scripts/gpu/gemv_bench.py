@@ -2,13 +2,14 @@
 kernels they replace (layer_kernels' add + norm or silu * up, then torch's GEMM) and torch's GEMM alone:
 device time per call (CUDA graphs; the calls cycle over enough copies of the weight that it is read from
 memory, as in a model, not from L2) and the weight bytes per second as a fraction of the device copy
-bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages, weight first) of --configs with each programs-per-SM
-target of --waves (gemv_kernel.WAVES: how far the reduction is split) is timed; the best is reported, with
+bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages, weight first, TMA) of --configs with each programs-per-SM
+target of --waves (how far the reduction is split), under each --arm's module switches
+(ab_setup.parse_switches; none when no --arm is given), is timed; the best is reported, with
 its largest difference from the separate kernels' output relative to that output's largest magnitude.
 Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
 in bf16.
-Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,64x128x4x4w,...] [--waves 4,8] [--rows 1,16]
-[--models smollm2] [--out F]
+Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,64x128x4x4w,64x128x4x3wt,...] [--waves 4,8]
+[--rows 1,16] [--models smollm2] [--arm "unrolled=models.gemv_kernel.UNROLL_FROM:2" ...] [--out F]
 Ends with one JSON line."""
 
 import argparse
@@ -16,6 +17,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from ab_setup import parse_switches, set_switches
 
 from deepflash.bench.common import copy_bandwidth, finish, graph_seconds
 from deepflash.models import gemv_kernel
@@ -60,6 +62,13 @@ def cases(rows: int, models: list[str]):
                partial(F.linear, attended))
 
 
+def parse_config(text: str) -> tuple:
+    """BLOCK_NxBLOCK_KxWARPSxSTAGES and its flags, "w": the weight as the product's first operand, "t": its tiles
+    through TMA (gemv_kernel.CONFIGS): (BLOCK_N, BLOCK_K, warps, stages, weight first, TMA)."""
+    bare = text.rstrip("wt")
+    return (*map(int, bare.split("x")), "w" in text[len(bare):], "t" in text[len(bare):])
+
+
 def cycled(call, weights):
     """One call per weight copy: each reads its weight from memory."""
     def run():
@@ -70,17 +79,19 @@ def cycled(call, weights):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES[w],...")
-    ap.add_argument("--waves", default="4,8", help="gemv_kernel.WAVES values")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES[w][t],...")
+    ap.add_argument("--waves", default="4,8", help="programs per SM of the reduction's split")
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--models", default=",".join(MODELS), help="of " + ", ".join(MODELS))
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=SWITCH;...",
+                    help="module switches the variants run under, e.g. 'rolled=models.gemv_kernel.UNROLL_FROM:None'")
     ap.add_argument("--out")
     args = ap.parse_args()
+    arms = {name: parse_switches(settings) for name, _, settings in (a.partition("=") for a in args.arm)} or {"": {}}
     bandwidth = copy_bandwidth(torch.device(DEVICE))
-    # a trailing "w": the weight as the product's first operand (gemv_kernel.CONFIGS)
-    configs = [(*map(int, c.rstrip("w").split("x")), c.endswith("w")) for c in args.configs.split(",")]
-    variants = [(c, int(w)) for c in configs for w in args.waves.split(",")]
-    kept = gemv_kernel.CONFIGS, gemv_kernel.WAVES
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    variants = [(arm, c, int(w)) for arm in arms for c in configs for w in args.waves.split(",")]
+    kept = gemv_kernel.CONFIGS, gemv_kernel.LARGE_CONFIGS
     results = []
     for rows in map(int, args.rows.split(",")):
         for name, shape, fused, separate, gemm in cases(rows, args.models.split(",")):
@@ -91,13 +102,17 @@ def main():
                    "separate_us": 1e6 * graph_seconds(cycled(separate, weights), calls=1) / copies,
                    "gemm_only_us": 1e6 * graph_seconds(cycled(gemm, weights), calls=1) / copies, "fused_us": {}}
             errors, want = {}, separate(weights[0]).float()
-            for config, waves in variants:
-                gemv_kernel.CONFIGS, gemv_kernel.WAVES = ((None, None, config),), waves
-                variant = f"{'x'.join(map(str, config[:4]))}{'w' if config[4] else ''} waves {waves}"
+            for arm, config, waves in variants:
+                tiling = (None, None, (*config[:5], waves, config[5])),
+                gemv_kernel.CONFIGS = gemv_kernel.LARGE_CONFIGS = tiling
+                before = set_switches(arms[arm])
+                flags = ("w" if config[4] else "") + ("t" if config[5] else "")
+                variant = f"{arm} {'x'.join(map(str, config[:4]))}{flags} waves {waves}".strip()
                 row["fused_us"][variant] = 1e6 * graph_seconds(cycled(fused, weights), calls=1) / copies
                 got = fused_output(fused, weights[0]).float()
                 errors[variant] = ((got - want).abs().max() / want.abs().max()).item()
-            gemv_kernel.CONFIGS, gemv_kernel.WAVES = kept
+                set_switches(before)
+            gemv_kernel.CONFIGS, gemv_kernel.LARGE_CONFIGS = kept
             best = min(row["fused_us"], key=row["fused_us"].get)
             row["best_config"], row["best_us"], row["best_error"] = best, row["fused_us"][best], errors[best]
             row["largest_error"] = max(errors.values())

@@ -13,7 +13,7 @@ Formerly gemv_ab.py (its three arms: separate, fused, fused + PDL)."""
 import json
 
 import torch
-from ab_setup import embedded_ab, engine, parse_switches, report
+from ab_setup import embedded_ab, engine, parse_switches, report, set_switches
 
 from deepflash import argmax_kernel
 from deepflash.bench.accept import measure
@@ -26,14 +26,6 @@ ARMS = {"shipped": {}, "torch argmax": {(argmax_kernel, "MAX_ROWS"): 0},
         "separate projections": {(gemv_kernel, "MAX_ROWS"): 0},
         "torch output projections": {(gemv_kernel, "OUTPUT_PROJECTIONS"): False},
         "no dependent launches": {(pdl, "ENABLED"): False}}
-
-
-def switched(arm: str) -> dict:
-    """Set the arm's switches; returns what they were."""
-    before = {key: getattr(*key) for key in ARMS[arm]}
-    for (module, name), value in ARMS[arm].items():
-        setattr(module, name, value)
-    return before
 
 
 def parse_arm(text: str) -> str:
@@ -64,7 +56,7 @@ def main():
     rows: dict = {arm: [] for arm in arms}
     first_outputs = None
     for arm in [*arms, *arms]:
-        before = switched(arm)
+        before = set_switches(ARMS[arm])
         plain, plain_outputs = measure(engine(args, target, tok), prompts, params)
         spec, spec_outputs = measure(engine(args, target, tok, drafter, spec="on"), prompts, params)
         first_outputs = first_outputs or plain_outputs
@@ -75,8 +67,7 @@ def main():
         if args.mbu:
             row["qwen3_8b_mbu"] = qwen3_8b_mbu(device, bandwidth)
         rows[arm].append(row)
-        for (module, name), value in before.items():
-            setattr(module, name, value)
+        set_switches(before)
         print(arm, json.dumps(row), flush=True)
     report(rows, args.out)
 

@@ -11,7 +11,7 @@ import time
 from collections import defaultdict
 
 import torch
-from ab_setup import parse_switches
+from ab_setup import parse_switches, set_switches
 
 from deepflash.bench.speed import QWEN3_8B, SMOLLM2_135M, random_engine, run_engine
 from deepflash.drafter import load_drafter
@@ -264,8 +264,7 @@ def main():
                     help="module switches set before anything runs (ab_setup.parse_switches), e.g. "
                          "'models.decode_kernel.MERGE_TILES:(64, 64, 64);models.decode_kernel.MERGE_WARPS:2'")
     args = ap.parse_args()
-    for (module, name), value in parse_switches(args.set).items():
-        setattr(module, name, value)
+    set_switches(parse_switches(args.set))
     prompt = list(range(100, 356))
     record = {}
     if args.qwen3:
