@@ -57,11 +57,11 @@ ROWS = 16
 # last one's tiles in turn beyond. Against 256 for every row: a spec step's device time -2.4%, plain decode +1.9%
 # on the embedded pair (BENCHMARKS.md, forty-fifth session).
 MERGE_TILES = (16, 64, 256)
-# Head dims per merge program, by tile width (MERGE_TILES): a position's dims follow its tile, so they too are
-# the same in every step. 64 for all: a spec step's device time -1.8% against 16 (32: -1.5%), short prompts'
-# plain decode -0.3 to -0.8%, but the 5849-token prompt's -3.3%, whose rows take the 256-chunk tiles (forty-fifth
-# session): 16 there, as measured before. (64, 64, 16) itself is not measured yet.
-MERGE_DIMS = (64, 64, 16)
+# Head dims per merge program: at 64 a spec step's device time -1.8% against 16 (32: -1.5%), short prompts' plain
+# decode -0.3 to -0.8%, but the 5849-token prompt's -3.3% (its rows take the 256-chunk tiles; forty-fifth session).
+# 16 on the 256-chunk tiles alone gave that prompt its plain decode back (1285.8 tok/s) and cost its speculative
+# decode 9% (4539 tok/s against 4975 with 64; forty-sixth and forty-fifth sessions): one width for every tile.
+MERGE_DIMS = 64
 # warps per merge program (Triton's default); 1, 2 and 8 measured no faster (forty-third session)
 MERGE_WARPS = 4
 # Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
@@ -94,17 +94,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # the merge's widest tiles loop to the whole cache's count and skip those past a row's chunks: a constant
     # bound (Triton's interpreter, which the CPU tests use, cannot loop to a runtime bound under numpy 2), one
     # binary per cache
+    dims = min(MERGE_DIMS, dim)
     narrow, middle, wide = MERGE_TILES
-    dims = [min(d, dim) for d in MERGE_DIMS]
-    # programs per query head for the narrowest dims of the tiers this step's rows can take (a row sees at most
-    # `splits` chunks); a row of a tier with wider dims leaves the programs past its own dims idle
-    per_head = max(dim // d for d, below in zip(dims, (0, narrow, middle)) if splits > below)
-    _merge[(b * kv_heads * t * groups, per_head)](partial, positions, out, t, kv_heads, splits, GROUPS=groups,
-                                                  GROUP_PAD=group_pad, DIM=dim, CHUNK=CHUNK, NARROW=narrow,
-                                                  MIDDLE=middle, WIDE=wide, NARROW_DIMS=dims[0], MIDDLE_DIMS=dims[1],
-                                                  WIDE_DIMS=dims[2], TILES=triton.cdiv(k_cache.shape[2], CHUNK * wide),
-                                                  GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent,
-                                                  num_warps=MERGE_WARPS)
+    _merge[(b * kv_heads * t * groups, dim // dims)](partial, positions, out, t, kv_heads, splits, GROUPS=groups,
+                                                      GROUP_PAD=group_pad, DIM=dim, DIMS=dims, CHUNK=CHUNK,
+                                                      NARROW=narrow, MIDDLE=middle, WIDE=wide,
+                                                      TILES=triton.cdiv(k_cache.shape[2], CHUNK * wide),
+                                                      GDC=dependent, enable_fp_fusion=False, launch_pdl=dependent,
+                                                      num_warps=MERGE_WARPS)
     return out.transpose(1, 2)
 
 
@@ -167,53 +164,51 @@ if triton is not None:
         tl.store(out + DIM + 1, total, mask=live)
 
     @triton.jit
-    def _merge_row(partial, out, row, g, seen, splits, at_out, WIDTH: tl.constexpr, TILES: tl.constexpr,
-                   DIMS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, GDC: tl.constexpr):
-        """The row's output at head dims program_id(1) * DIMS.. (none past its head) from its first `seen` chunks,
-        WIDTH at a time in a fixed order; a tile past them is skipped, and one past the query's position holds
-        m = -1e30, total 0 and acc 0, which leave best, norm and acc exactly as they were. A program with no dims
-        of its own ends at once (an ended program counts as one that lets the dependent launch start)."""
-        if tl.program_id(1) * DIMS < DIM:
-            d = tl.program_id(1) * DIMS + tl.arange(0, DIMS)
-            best = -1e30
-            norm = 0.0
-            acc = tl.zeros((DIMS,), tl.float32)
-            for tile in range(TILES):
-                if tile * WIDTH < seen:
-                    sp = tile * WIDTH + tl.arange(0, WIDTH)
-                    live = sp < seen
-                    at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [WIDTH]
-                    m = tl.load(partial + at + DIM, mask=live, other=-1e30)
-                    total = tl.load(partial + at + DIM + 1, mask=live, other=0.0)
-                    part = tl.load(partial + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
-                    best_new = tl.maximum(best, tl.max(m, axis=0))
-                    weight = tl.exp(m - best_new)
-                    keep = tl.exp(best - best_new)
-                    norm = norm * keep + tl.sum(total * weight, axis=0)
-                    acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
-                    best = best_new
-            if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.store(out + at_out + d, (acc / norm).to(out.dtype.element_ty))
+    def _merge_tiles(partial, row, g, d, seen, splits, WIDTH: tl.constexpr, TILES: tl.constexpr,
+                     GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIMS: tl.constexpr):
+        """(softmax normaliser, weighted values [DIMS]) of a row's first `seen` chunks, WIDTH at a time in a
+        fixed order; a tile past them is skipped, and one past the query's position holds m = -1e30, total 0
+        and acc 0, which leave best, norm and acc exactly as they were."""
+        best = -1e30
+        norm = 0.0
+        acc = tl.zeros((DIMS,), tl.float32)
+        for tile in range(TILES):
+            if tile * WIDTH < seen:
+                sp = tile * WIDTH + tl.arange(0, WIDTH)
+                live = sp < seen
+                at = ((row * splits + sp) * GROUP_PAD + g) * (DIM + 2)  # [WIDTH]
+                m = tl.load(partial + at + DIM, mask=live, other=-1e30)
+                total = tl.load(partial + at + DIM + 1, mask=live, other=0.0)
+                part = tl.load(partial + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
+                best_new = tl.maximum(best, tl.max(m, axis=0))
+                weight = tl.exp(m - best_new)
+                keep = tl.exp(best - best_new)
+                norm = norm * keep + tl.sum(total * weight, axis=0)
+                acc = acc * keep + tl.sum(part * weight[:, None], axis=0)
+                best = best_new
+        return norm, acc
 
     @triton.jit(do_not_specialize=["T"])
     def _merge(partial, positions, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
-               DIM: tl.constexpr, CHUNK: tl.constexpr, NARROW: tl.constexpr, MIDDLE: tl.constexpr,
-               WIDE: tl.constexpr, NARROW_DIMS: tl.constexpr, MIDDLE_DIMS: tl.constexpr, WIDE_DIMS: tl.constexpr,
-               TILES: tl.constexpr, GDC: tl.constexpr):
+               DIM: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr, NARROW: tl.constexpr,
+               MIDDLE: tl.constexpr, WIDE: tl.constexpr, TILES: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the chunks and their writes
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0) // GROUPS  # (b * KV_HEADS + kv head) * T + query token
         g = tl.program_id(0) % GROUPS
         bh = row // T
         token = row % T
+        b = bh // kv_heads
         head = (bh % kv_heads) * GROUPS + g
-        at_out = (((bh // kv_heads) * T + token) * kv_heads * GROUPS + head) * DIM
+        d = tl.program_id(1) * DIMS + tl.arange(0, DIMS)
         # the chunks this row sees (keys 0..its position, as in _chunk): its position alone sets the tiles
         seen = tl.minimum(tl.load(positions + token).to(tl.int32) // CHUNK + 1, splits)
         if seen <= NARROW:
-            _merge_row(partial, out, row, g, seen, splits, at_out, NARROW, 1, NARROW_DIMS, GROUP_PAD, DIM, GDC)
+            norm, acc = _merge_tiles(partial, row, g, d, seen, splits, NARROW, 1, GROUP_PAD, DIM, DIMS)
         elif seen <= MIDDLE:
-            _merge_row(partial, out, row, g, seen, splits, at_out, MIDDLE, 1, MIDDLE_DIMS, GROUP_PAD, DIM, GDC)
+            norm, acc = _merge_tiles(partial, row, g, d, seen, splits, MIDDLE, 1, GROUP_PAD, DIM, DIMS)
         else:
-            _merge_row(partial, out, row, g, seen, splits, at_out, WIDE, TILES, WIDE_DIMS, GROUP_PAD, DIM, GDC)
+            norm, acc = _merge_tiles(partial, row, g, d, seen, splits, WIDE, TILES, GROUP_PAD, DIM, DIMS)
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, (acc / norm).to(out.dtype.element_ty))
