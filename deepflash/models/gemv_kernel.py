@@ -70,11 +70,14 @@ CONFIGS = ((1024, 640, (32, 128, 4, 4, False, 4, False)),  # o (576 outputs)
            (1024, None, (32, 128, 4, 4, False, 4, False)),  # gate/up (3072)
            (None, None, (32, 128, 4, 4, True, 4, False)))  # down (1536 wide)
 # Measured on Qwen3-8B's (gemv_bench.py, 1 row, us; forty-sixth session): 64x128x4x3 weight first, 2 waves,
-# TMA: q/k/v 17.6, gate/up 49.2, down 28.5, o 12.5; plain loads 20.7, 51.5, 34.8, 12.0. Two waves keep every
-# program resident at once (3 waves: Qwen3-8B-shaped MBU 0.846 -> 0.709; 4 stages, 2 programs an SM: 0.653).
-LARGE_CONFIGS = ((4096, 4096, (64, 256, 4, 2, True, 2, True)),  # o (4096 wide): 11.5 us
-                 (None, None, (64, 128, 4, 3, True, 2, True)))
-WAVES = None  # every shape's waves when set (the tests force splits with it; gemv_bench.py sweeps it)
+# TMA: q/k/v 17.6, gate/up 49.2, down 28.5, o 12.5; plain loads 20.7, 51.5, 34.8, 12.0. At most three of these
+# programs fit an SM (~60 KB of shared memory each): 3 waves leave programs for a second round (Qwen3-8B-shaped
+# MBU 0.846 -> 0.709; 4 stages, two an SM: 0.653). 2.9 waves split q/k/v in 4 and down in 6 (384 programs, about
+# three on every SM, where 2 gave 288 and 320: two on some SMs, three on others): q/k/v 17.5 -> 16.6 us, down
+# 29.0 -> 28.7, MBU 0.832 -> 0.844 in the same run; gate/up stays whole (384 column blocks).
+LARGE_CONFIGS = ((4096, 4096, (64, 256, 4, 2, True, 2, True)),  # o (4096 wide): 4 slices, 256 programs; 11.5 us
+                 (None, None, (64, 128, 4, 3, True, 2.9, True)))
+WAVES = None  # every shape's waves when set (the tests force splits with it)
 # Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
 # In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
 # its q/k/v and gate/up (9 slices at 64x64x4x6) 0.3-0.5 us slower. From 17 slices (the down projections): a plain
@@ -127,7 +130,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
 
 
-def config(width: int, outputs: int, nbytes: int) -> tuple[int, int, int, int, bool, int, bool]:
+def config(width: int, outputs: int, nbytes: int) -> tuple[int, int, int, int, bool, float, bool]:
     """The tiling of a weight [outputs, width] of nbytes (CONFIGS, LARGE_CONFIGS)."""
     table = CONFIGS if nbytes <= SMALL_WEIGHT_BYTES else LARGE_CONFIGS
     return next(c for max_width, max_outputs, c in table
@@ -139,11 +142,12 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def split(blocks: int, steps: int, device: torch.device, waves: int) -> tuple[int, int]:
+def split(blocks: int, steps: int, device: torch.device, waves: float) -> tuple[int, int]:
     """(slices, BLOCK_K steps per slice) of a reduction of `steps` steps over `blocks` column blocks:
-    about `waves` programs per SM (0: one slice), every slice non-empty. It depends on the shapes only,
-    never on the number of rows, so a verify step sums each row in the same order as a decode step."""
-    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(_sms(device) * waves, blocks))))
+    about `waves` programs per SM (0: one slice; a fraction aims between whole counts), every slice
+    non-empty. It depends on the shapes only, never on the number of rows, so a verify step sums each
+    row in the same order as a decode step."""
+    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(int(_sms(device) * waves), blocks))))
     return triton.cdiv(steps, per), per
 
 

@@ -90,7 +90,7 @@ def main():
     arms = {name: parse_switches(settings) for name, _, settings in (a.partition("=") for a in args.arm)} or {"": {}}
     bandwidth = copy_bandwidth(torch.device(DEVICE))
     configs = [parse_config(c) for c in args.configs.split(",")]
-    variants = [(arm, c, int(w)) for arm in arms for c in configs for w in args.waves.split(",")]
+    variants = [(arm, c, float(w)) for arm in arms for c in configs for w in args.waves.split(",")]
     kept = gemv_kernel.CONFIGS, gemv_kernel.LARGE_CONFIGS
     results = []
     for rows in map(int, args.rows.split(",")):

@@ -42,7 +42,7 @@ def main():
         ap.add_argument("--arm", action="append", default=[], metavar="NAME=SWITCH;...",
                         help="one more arm, after --arms: switches `module.path.NAME:VALUE` under deepflash, "
                              "e.g. 'waves 2=models.gemv_kernel.WAVES:2;models.gemv_kernel.CONFIGS:((None, "
-                             "None, (32, 64, 4, 6, False)),)'")
+                             "None, (32, 64, 4, 6, False, 4, False)),)'")
         ap.add_argument("--mbu", action="store_true", help="each arm also measures the Qwen3-8B-shaped MBU")
 
     def add_arms(args):
