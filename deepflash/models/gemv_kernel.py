@@ -47,9 +47,10 @@ MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, s
 OUTPUT_PROJECTIONS = True
 # Larger weights take torch's GEMM: LM heads (Qwen3-8B's 1.16 GiB, which cuBLAS streams at 1.08 of the copy
 # bandwidth; the fused kernels have nothing to fuse there). Up to SmolLM2-135M's 3.4 MB the time is launch and
-# latency, and one fused kernel costs less than two (nineteenth session); Qwen3-8B's projections (33-192 MiB)
-# with their tiles through TMA (LARGE_CONFIGS) reach 0.81-0.97 of the copy bandwidth, with their prologues
-# inside, where add + norm (or silu * up) and torch's GEMM took 0.62-0.91 (BENCHMARKS.md, forty-sixth session).
+# latency, and one fused kernel costs less than two (nineteenth session); Qwen3-8B's projections (32-192 MiB)
+# with their tiles through TMA (LARGE_CONFIGS) stream at 0.69-0.97 of the copy bandwidth in isolation, their
+# prologues inside, where add + norm (or silu * up) and torch's GEMM took 0.58-0.91 (BENCHMARKS.md, forty-sixth
+# session).
 MAX_WEIGHT_BYTES = 512 << 20
 # weights up to this take CONFIGS, whose times are latency; larger ones LARGE_CONFIGS, whose time is streaming.
 # A projection with no prologue and a weight up to this walks whole reductions (_launch).
