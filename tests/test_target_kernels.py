@@ -232,6 +232,25 @@ def test_an_unrolled_reduction_adds_the_same_sums(dtype, monkeypatch):
     assert all(torch.equal(rolled, unrolled) for rolled, unrolled in zip(outputs[None], outputs[2]))
 
 
+def test_large_projections_split_into_one_round_of_programs(monkeypatch):
+    """LARGE_CONFIGS' splits of Qwen3-8B's projections on an H200's 132 SMs: every program resident at once
+    (a second round cost the Qwen3-8B-shaped MBU 0.846 -> 0.709), filling at least 90% of the places (q/k/v's
+    288 programs of 396 places, two on most SMs and three on others, cost 0.844 -> 0.832; BENCHMARKS.md,
+    forty-sixth session). Places an SM: its 227 KB of shared memory over a program's stages of weight tile and
+    rows, bf16."""
+    from deepflash.models import gemv_kernel
+
+    sms = 132
+    monkeypatch.setattr(gemv_kernel, "_sms", lambda device: sms)
+    for outputs, width in [(6144, 4096), (24576, 4096), (4096, 12288), (4096, 4096)]:  # q/k/v, gate/up, down, o
+        block_n, block_k, _, stages, _, waves, _ = gemv_kernel.config(width, outputs, outputs * width * 2)
+        blocks, steps = -(-outputs // block_n), -(-width // block_k)
+        slices, per = gemv_kernel.split(blocks, steps, torch.device("cpu"), waves)
+        resident = 227 * 1024 // (stages * (block_n + 16) * block_k * 2)
+        assert 0.9 * resident * sms <= blocks * slices <= resident * sms, (outputs, width, slices)
+        assert (slices - 1) * per < steps <= slices * per
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     """Greedy speculative == greedy plain with the target on its Triton kernels (on the GPU also under
