@@ -160,17 +160,30 @@ def projection_inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
 WAVES = [0, 3, 64]
 
 
+def tile_projections(monkeypatch, waves: int, tiling: str):
+    """gemv_kernel's split at `waves`; "large": the tests' weights take LARGE_CONFIGS' path, a 32x32 weight-first
+    tiling with the tiles through TMA where the GPU has it (a dependent launch on Hopper)."""
+    from deepflash.models import gemv_kernel
+
+    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
+    if tiling == "large":
+        monkeypatch.setattr(gemv_kernel, "SMALL_WEIGHT_BYTES", 0)
+        monkeypatch.setattr(gemv_kernel, "LARGE_CONFIGS", ((None, None, (32, 32, 4, 2, True, 1, True)),))
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("waves", WAVES)
-def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, monkeypatch):
+@pytest.mark.parametrize("tiling", ["small", "large"])
+def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, tiling, monkeypatch):
     """gemv_kernel's add + norm + projection and silu * up + projection against layer_kernels' separate
     kernels and a float32 GEMM on their output, and its projection without a prologue against the GEMM,
-    with the reduction whole or split; the sum is written where it is asked for."""
+    with the reduction whole or split, in the small and the large weights' tilings; the sum is written where
+    it is asked for."""
     from deepflash.models import gemv_kernel
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
 
-    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
+    tile_projections(monkeypatch, waves, tiling)
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
 
     a = projection_inputs(rows, dtype)
@@ -194,13 +207,15 @@ def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("waves", WAVES)
-def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, monkeypatch):
+@pytest.mark.parametrize("tiling", ["small", "large"])
+def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, tiling, monkeypatch):
     """Each row of a 16-row projection equals, bit for bit, the same row projected alone or among 5: a
-    verify step's projections compute each token exactly as a one-token decode step's, whole or split."""
+    verify step's projections compute each token exactly as a one-token decode step's, whole or split, in
+    the small and the large weights' tilings."""
     from deepflash.models import gemv_kernel
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
 
-    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
+    tile_projections(monkeypatch, waves, tiling)
 
     a = projection_inputs(16, dtype, seed=3)
     calls = {"add + norm": lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
