@@ -5,9 +5,6 @@ overhead dominates. Replaying a captured graph launches them all in one call. A 
 what changes its kernels: the step kind, the block size, the attention span (kv_len, bucketed to a
 power of two so there are few variants) and the sampling settings (baked into the kernels; the seed
 is a device buffer). Off CUDA the steps simply run eagerly.
-
-Optionally the step functions are compiled with torch.compile (inductor) before capture, which fuses
-the elementwise work (norms, rope, SiLU) into fewer kernels.
 """
 
 from __future__ import annotations
