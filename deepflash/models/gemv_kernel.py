@@ -75,7 +75,9 @@ CONFIGS = ((1024, 640, (32, 128, 4, 4, False, 4, False)),  # o (576 outputs)
 # programs fit an SM (~60 KB of shared memory each): 3 waves leave programs for a second round (Qwen3-8B-shaped
 # MBU 0.846 -> 0.709; 4 stages, two an SM: 0.653). 2.9 waves split q/k/v in 4 and down in 6 (384 programs, about
 # three on every SM, where 2 gave 288 and 320: two on some SMs, three on others): q/k/v 17.5 -> 16.6 us, down
-# 29.0 -> 28.7, MBU 0.832 -> 0.844 in the same run; gate/up stays whole (384 column blocks).
+# 29.0 -> 28.7, MBU 0.832 -> 0.844 in the same run; gate/up stays whole (384 column blocks). With it `bench speed`
+# measured MBU 0.855-0.863 on three machines, kernels_ab.py 0.844 on a fourth. Blocks of 16 or 32 weight rows
+# (whole reductions or split) ran q/k/v, gate/up and down 3-17x slower (forty-seventh session).
 LARGE_CONFIGS = ((4096, 4096, (64, 256, 4, 2, True, 2, True)),  # o (4096 wide): 4 slices, 256 programs; 11.5 us
                  (None, None, (64, 128, 4, 3, True, 2.9, True)))
 WAVES = None  # every shape's waves when set (the tests force splits with it)
@@ -83,7 +85,8 @@ WAVES = None  # every shape's waves when set (the tests force splits with it)
 # In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
 # its q/k/v and gate/up (9 slices at 64x64x4x6) 0.3-0.5 us slower. From 17 slices (the down projections): a plain
 # step's device time 791 -> 763 us, a spec step's 1099 -> 1070 (profile_step.py --short; BENCHMARKS.md,
-# fortieth session). The sums and their order are the same either way.
+# fortieth session); Qwen3-8B's splits (4-6 slices) unrolled: the same MBU (forty-seventh). The sums and their
+# order are the same either way.
 UNROLL_FROM = 17
 MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
 NORM, ADD_NORM, SILU, PLAIN = 0, 1, 2, 3  # the prologue (PLAIN: none)
