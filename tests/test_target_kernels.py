@@ -182,10 +182,9 @@ def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype,
     it is asked for."""
     from deepflash.models import gemv_kernel
     from deepflash.models.gemv_kernel import norm_linear, silu_linear
-
-    tile_projections(monkeypatch, waves, tiling)
     from deepflash.models.layer_kernels import add_rms_norm, silu_mul
 
+    tile_projections(monkeypatch, waves, tiling)
     a = projection_inputs(rows, dtype)
 
     def linear(h, bias=None):

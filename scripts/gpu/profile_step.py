@@ -129,6 +129,14 @@ def graph_steps(engine: Engine, prompt: list[int], counts: list[int], replays: i
     return timings
 
 
+def spec_on_and_plain(device: str, measure) -> dict:
+    """measure(engine) of a random SmolLM2-shaped target on Triton's kernels, with the shipped drafter (spec on)
+    and without."""
+    plain = random_engine(SMOLLM2_135M, device, target_kernels="triton")
+    drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
+    return {"spec_on": measure(sibling(plain, drafter, spec="on", target_kernels="triton")), "plain": measure(plain)}
+
+
 def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
     """Another engine on base's random target, also without stop tokens (every request runs its length)."""
     made = Engine(base.target, base.tokenizer, drafter, **{"max_ctx": base.max_ctx, **engine_args})
@@ -284,11 +292,8 @@ def main():
         record.setdefault("smollm2-shaped", {})["attention_sweep"] = attention_sweep(
             random_engine(SMOLLM2_135M, args.device), args.attention_sweep)
     if args.timeline:
-        plain = random_engine(SMOLLM2_135M, args.device, target_kernels="triton")
-        drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
-        record.setdefault("smollm2-shaped", {})["timeline"] = {
-            "spec_on": timeline(sibling(plain, drafter, spec="on", target_kernels="triton"), prompt, 128),
-            "plain": timeline(plain, prompt, 128)}
+        record.setdefault("smollm2-shaped", {})["timeline"] = spec_on_and_plain(
+            args.device, lambda engine: timeline(engine, prompt, 128))
         for name, line in record["smollm2-shaped"]["timeline"].items():
             print(f"  {name}: span {line['span_us_per_step']:.1f} us/step, busy {line['busy_us_per_step']:.1f}, "
                   f"idle {line['idle_us_per_step']:.1f}; largest gaps:")
@@ -298,12 +303,9 @@ def main():
             for row in line["one_step"]:
                 print(f"  {row['start_us']:8.1f} {row['us']:6.2f} {row['stream']:>4}  {row['kernel']}")
     if args.graph_steps:
-        plain = random_engine(SMOLLM2_135M, args.device, target_kernels="triton")
-        drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
         counts = [int(k) for k in args.graph_steps.split(",")]
-        record.setdefault("smollm2-shaped", {})["graph_steps"] = {
-            "spec_on": graph_steps(sibling(plain, drafter, spec="on", target_kernels="triton"), prompt, counts),
-            "plain": graph_steps(plain, prompt, counts)}
+        record.setdefault("smollm2-shaped", {})["graph_steps"] = spec_on_and_plain(
+            args.device, lambda engine: graph_steps(engine, prompt, counts))
         for name, timings in record["smollm2-shaped"]["graph_steps"].items():
             print(timings["host_profile"])
             per_graph = ", ".join(f"{k} steps a graph {timings[k]['device_us_per_step']:.1f} us/step on the device, "
