@@ -32,6 +32,13 @@ def parse_switches(text: str) -> dict:
     return switches
 
 
+def parse_arm(text: str) -> tuple[str, dict]:
+    """An A/B arm given as NAME=SWITCH;SWITCH... (parse_switches), e.g. 'waves 2=models.gemv_kernel.WAVES:2':
+    (NAME, its switches)."""
+    name, _, settings = text.partition("=")
+    return name, parse_switches(settings)
+
+
 def set_switches(switches: dict) -> dict:
     """Set module switches ({(module, NAME): value}, parse_switches); returns what they were, which
     set_switches(returned) puts back."""

@@ -4,7 +4,7 @@ device time per call (CUDA graphs; the calls cycle over enough copies of the wei
 memory, as in a model, not from L2) and the weight bytes per second as a fraction of the device copy
 bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages, weight first, TMA) of --configs with each programs-per-SM
 target of --waves (how far the reduction is split), under each --arm's module switches
-(ab_setup.parse_switches; none when no --arm is given), is timed; the best is reported, with
+(ab_setup.parse_arm; none when no --arm is given), is timed; the best is reported, with
 its largest difference from the separate kernels' output relative to that output's largest magnitude.
 Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
 in bf16.
@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from ab_setup import parse_switches, set_switches
+from ab_setup import parse_arm, set_switches
 
 from deepflash.bench.common import copy_bandwidth, finish, graph_seconds
 from deepflash.models import gemv_kernel
@@ -87,7 +87,7 @@ def main():
                     help="module switches the variants run under, e.g. 'rolled=models.gemv_kernel.UNROLL_FROM:None'")
     ap.add_argument("--out")
     args = ap.parse_args()
-    arms = {name: parse_switches(settings) for name, _, settings in (a.partition("=") for a in args.arm)} or {"": {}}
+    arms = dict(map(parse_arm, args.arm)) or {"": {}}
     bandwidth = copy_bandwidth(torch.device(DEVICE))
     configs = [parse_config(c) for c in args.configs.split(",")]
     variants = [(arm, c, float(w)) for arm in arms for c in configs for w in args.waves.split(",")]

@@ -13,7 +13,7 @@ Formerly gemv_ab.py (its three arms: separate, fused, fused + PDL)."""
 import json
 
 import torch
-from ab_setup import embedded_ab, engine, parse_switches, report, set_switches
+from ab_setup import embedded_ab, engine, parse_arm, report, set_switches
 
 from deepflash import argmax_kernel
 from deepflash.bench.accept import measure
@@ -28,11 +28,10 @@ ARMS = {"shipped": {}, "torch argmax": {(argmax_kernel, "MAX_ROWS"): 0},
         "no dependent launches": {(pdl, "ENABLED"): False}}
 
 
-def parse_arm(text: str) -> str:
-    """Add an arm given as NAME=SWITCH;SWITCH... (ab_setup.parse_switches), e.g. 'waves
-    2=models.gemv_kernel.WAVES:2'; returns its name."""
-    name, _, settings = text.partition("=")
-    ARMS[name] = parse_switches(settings)
+def add_arm(text: str) -> str:
+    """Add an arm given as NAME=SWITCH;SWITCH... (ab_setup.parse_arm); returns its name."""
+    name, switches = parse_arm(text)
+    ARMS[name] = switches
     return name
 
 
@@ -46,7 +45,7 @@ def main():
         ap.add_argument("--mbu", action="store_true", help="each arm also measures the Qwen3-8B-shaped MBU")
 
     def add_arms(args):
-        args.arms = args.arms + [parse_arm(text) for text in args.arm]
+        args.arms = args.arms + [add_arm(text) for text in args.arm]
 
     args, target, tok, prompts, drafter = embedded_ab(__doc__, arguments, add_arms)
     arms = args.arms
