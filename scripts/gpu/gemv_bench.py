@@ -9,7 +9,7 @@ its largest difference from the separate kernels' output relative to that output
 Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
 in bf16.
 Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,64x128x4x4w,64x128x4x3wt,...] [--waves 4,8]
-[--rows 1,16] [--models smollm2] [--arm "unrolled=models.gemv_kernel.UNROLL_FROM:2" ...] [--out F]
+[--rows 1,16] [--models smollm2] [--arm "unrolled=models.gemv_kernel.UNROLL_FROM:2" ...] [--plain] [--out F]
 Ends with one JSON line."""
 
 import argparse
@@ -43,9 +43,15 @@ def silu_then_gemm(gate_up, weight):
     return F.linear(silu_mul(gate_up), weight)
 
 
-def cases(rows: int, models: list[str]):
+def plain_case(name: str, shape: tuple[int, int], x: torch.Tensor):
+    """A projection with no prologue (gemv_kernel.linear): its separate form is the GEMM alone."""
+    return name, shape, partial(gemv_kernel.linear, x), partial(F.linear, x), partial(F.linear, x)
+
+
+def cases(rows: int, models: list[str], plain: bool):
     """(name, weight shape, fused call, separate calls, GEMM-only call), each taking the weight, per
-    projection of each model."""
+    projection of each model; with `plain` also q/k/v, gate/up and down with no prologue, which tells what
+    the add + norm or silu * up costs a tiling."""
     for model in models:
         hidden, qkv, inner, heads_dims = MODELS[model]
         x, delta = (torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
@@ -54,12 +60,15 @@ def cases(rows: int, models: list[str]):
         for proj, shape in (("qkv", (qkv, hidden)), ("gate_up", (2 * inner, hidden))):
             yield (f"{model} {proj}", shape, partial(gemv_kernel.norm_linear, x, delta, gain, 1e-6),
                    partial(norm_then_gemm, x, delta, gain), partial(F.linear, x))
+            if plain:
+                yield plain_case(f"{model} {proj} plain", shape, x)
         yield (f"{model} down", (hidden, inner), partial(gemv_kernel.silu_linear, gate_up),
                partial(silu_then_gemm, gate_up), partial(F.linear, silu_mul(gate_up)))
-        # the attention output projection: no prologue, so the separate form is the GEMM alone
-        attended = torch.randn(rows, heads_dims, device=DEVICE, dtype=torch.bfloat16)
-        yield (f"{model} o", (hidden, heads_dims), partial(gemv_kernel.linear, attended), partial(F.linear, attended),
-               partial(F.linear, attended))
+        if plain:
+            yield plain_case(f"{model} down plain", (hidden, inner), silu_mul(gate_up))
+        # the attention output projection: no prologue
+        yield plain_case(f"{model} o", (hidden, heads_dims),
+                         torch.randn(rows, heads_dims, device=DEVICE, dtype=torch.bfloat16))
 
 
 def parse_config(text: str) -> tuple:
@@ -85,6 +94,7 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS), help="of " + ", ".join(MODELS))
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=SWITCH;...",
                     help="module switches the variants run under, e.g. 'rolled=models.gemv_kernel.UNROLL_FROM:None'")
+    ap.add_argument("--plain", action="store_true", help="also q/k/v, gate/up and down with no prologue")
     ap.add_argument("--out")
     args = ap.parse_args()
     arms = dict(map(parse_arm, args.arm)) or {"": {}}
@@ -94,7 +104,7 @@ def main():
     kept = gemv_kernel.CONFIGS, gemv_kernel.LARGE_CONFIGS
     results = []
     for rows in map(int, args.rows.split(",")):
-        for name, shape, fused, separate, gemm in cases(rows, args.models.split(",")):
+        for name, shape, fused, separate, gemm in cases(rows, args.models.split(","), args.plain):
             nbytes = shape[0] * shape[1] * 2
             copies = max(2, -(-2 * L2_BYTES // nbytes))
             weights = [torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
