@@ -101,7 +101,6 @@ def main():
     bandwidth = copy_bandwidth(torch.device(DEVICE))
     configs = [parse_config(c) for c in args.configs.split(",")]
     variants = [(arm, c, float(w)) for arm in arms for c in configs for w in args.waves.split(",")]
-    kept = gemv_kernel.CONFIGS, gemv_kernel.LARGE_CONFIGS
     results = []
     for rows in map(int, args.rows.split(",")):
         for name, shape, fused, separate, gemm in cases(rows, args.models.split(","), args.plain):
@@ -114,15 +113,14 @@ def main():
             errors, want = {}, separate(weights[0]).float()
             for arm, config, waves in variants:
                 tiling = (None, None, (*config[:5], waves, config[5])),
-                gemv_kernel.CONFIGS = gemv_kernel.LARGE_CONFIGS = tiling
-                before = set_switches(arms[arm])
+                before = set_switches({(gemv_kernel, "CONFIGS"): tiling, (gemv_kernel, "LARGE_CONFIGS"): tiling,
+                                       **arms[arm]})
                 flags = ("w" if config[4] else "") + ("t" if config[5] else "")
                 variant = f"{arm} {'x'.join(map(str, config[:4]))}{flags} waves {waves}".strip()
                 row["fused_us"][variant] = 1e6 * graph_seconds(cycled(fused, weights), calls=1) / copies
                 got = fused_output(fused, weights[0]).float()
                 errors[variant] = ((got - want).abs().max() / want.abs().max()).item()
                 set_switches(before)
-            gemv_kernel.CONFIGS, gemv_kernel.LARGE_CONFIGS = kept
             best = min(row["fused_us"], key=row["fused_us"].get)
             row["best_config"], row["best_us"], row["best_error"] = best, row["fused_us"][best], errors[best]
             row["largest_error"] = max(errors.values())
