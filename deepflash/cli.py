@@ -13,8 +13,8 @@ from .errors import UserError
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .runtime import engine_config, load_runtime
-    from .sampling import SamplingParams
+    from .engine.runtime import engine_config, load_runtime
+    from .engine.sampling import SamplingParams
 
     rt = load_runtime(engine_config(args))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -47,8 +47,8 @@ def _stats_line(s: dict) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from .memory import mib
-    from .runtime import engine_config, meta_models
+    from .engine.memory import mib
+    from .engine.runtime import engine_config, meta_models
 
     cfg = engine_config(args)
     target, drafter, tcfg = meta_models(cfg)
@@ -84,8 +84,8 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def _plan(args, cfg, target, drafter):
-    from .memory import auto_max_ctx, free_device_bytes, plan_memory
-    from .runtime import resolve_device
+    from .engine.memory import auto_max_ctx, free_device_bytes, plan_memory
+    from .engine.runtime import resolve_device
 
     plan_args = dict(feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap, trained_ctx=cfg.trained_ctx,
                      block_size=cfg.block_size, device=resolve_device(cfg.device))
@@ -100,7 +100,7 @@ def _plan(args, cfg, target, drafter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .runtime import add_engine_args
+    from .engine.runtime import add_engine_args
 
     parser = argparse.ArgumentParser(prog="deepflash", description="DFlash speculative decoding engine")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -8,11 +8,11 @@ import argparse
 import json
 
 from deepflash.bench.prompts import depth_prompts
-from deepflash.config import EngineConfig
-from deepflash.engine import Engine
-from deepflash.reach import copied_from_beyond
-from deepflash.runtime import load_runtime
-from deepflash.sampling import SamplingParams
+from deepflash.drafter.reach import copied_from_beyond
+from deepflash.engine.config import EngineConfig
+from deepflash.engine.engine import Engine
+from deepflash.engine.runtime import load_runtime
+from deepflash.engine.sampling import SamplingParams
 
 
 def main():

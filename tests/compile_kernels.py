@@ -69,8 +69,8 @@ def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
 
 
 def ring_kernels():
-    from deepflash import ring_kernels as rk
-    from deepflash.quant import FORMATS
+    from deepflash.kernels import rings as rk
+    from deepflash.kernels.row_formats import FORMATS
 
     width, n = 576, 5
     for fmt, rows_dtype, scale in product(FORMATS.values(), (torch.bfloat16, torch.float32), (None, torch.ones(width))):
@@ -81,15 +81,15 @@ def ring_kernels():
 
 
 def model_kernels():
-    from deepflash.accept_kernel import accept_kernel
-    from deepflash.argmax_kernel import rows_argmax
-    from deepflash.mailbox import post_kernel
-    from deepflash.models import pdl
-    from deepflash.models.decode_kernel import decode_attention
-    from deepflash.models.gemv_kernel import linear, norm_linear, silu_linear
-    from deepflash.models.pdl import dependent
-    from deepflash.models.layer_kernels import add_rms_norm, silu_mul
-    from deepflash.models.rope_kernel import rope_and_write
+    from deepflash.kernels import pdl
+    from deepflash.kernels.accept import accept_kernel
+    from deepflash.kernels.argmax import rows_argmax
+    from deepflash.kernels.attention import decode_attention
+    from deepflash.kernels.gemv import linear, norm_linear, silu_linear
+    from deepflash.kernels.layer_ops import add_rms_norm, silu_mul
+    from deepflash.kernels.mailbox import post_kernel
+    from deepflash.kernels.pdl import dependent
+    from deepflash.kernels.rope import rope_and_write
 
     # SmolLM2-135M's shapes in both dtypes, Qwen3-8B's in bf16
     for dtype, (heads, kv_heads, dim, hidden, inner) in [(torch.bfloat16, (9, 3, 64, 576, 1536)),
@@ -142,7 +142,7 @@ def model_kernels():
 
 if __name__ == "__main__":
     JITFunction.run = compile_instead
-    from deepflash.models import gemv_kernel
+    from deepflash.kernels import gemv as gemv_kernel
 
     gemv_kernel._sms = lambda device: 132  # an H200's SMs: the projections' reductions split as there
     {"rings": ring_kernels, "model": model_kernels}[sys.argv[1]]()

@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepflash.config import DrafterConfig, ModelConfig
-from deepflash.drafter import DFlashDrafter, save_drafter
+from deepflash.drafter.checkpoint import save_drafter
+from deepflash.drafter.config import DrafterConfig
+from deepflash.drafter.model import DFlashDrafter
+from deepflash.loading.tokenizer import Tokenizer, word_tokenizer
 from deepflash.models import init_random_, materialize, random_model
-from deepflash.tokenizer import Tokenizer, word_tokenizer
+from deepflash.models.config import ModelConfig
 
 VOCAB = 96
 EOS = 1
@@ -88,7 +90,7 @@ def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int 
     """Replace the drafter's proposals by the true continuation (optionally spoiled now and then at
     shifting offsets), so that long accepted runs, every accepted length, and stops and length limits
     inside a block get exercised."""
-    import deepflash.spec as spec_module
+    import deepflash.engine.steps as spec_module
 
     calls = {"n": 0}
 
@@ -127,8 +129,8 @@ def third_token_check(engine, monkeypatch, runs: int, propose_modes: bool) -> tu
     of the third token against the target's exact distribution, and the drafts accepted. With
     `propose_modes` the drafter proposes each position's most likely token, so drafts are often (not
     always) accepted."""
-    import deepflash.spec as spec_module
-    from deepflash.sampling import SamplingParams, target_probs
+    import deepflash.engine.steps as spec_module
+    from deepflash.engine.sampling import SamplingParams, target_probs
 
     target, vocab = engine.target, engine.target.cfg.vocab_size
     engine.stop_ids = frozenset()  # every run yields exactly three tokens

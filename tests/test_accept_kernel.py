@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import triton_device
 
-from deepflash.accept_kernel import accept_kernel, accept_torch
-from deepflash.mailbox import Mailbox, post_kernel
+from deepflash.kernels.accept import accept_kernel, accept_torch
+from deepflash.kernels.mailbox import Mailbox, post_kernel
 
 DEVICE = triton_device()
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import triton_device
 
-from deepflash import argmax_kernel
-from deepflash.argmax_kernel import SLICE, rows_argmax
+from deepflash.kernels import argmax as argmax_kernel
+from deepflash.kernels.argmax import SLICE, rows_argmax
 
 DEVICE = triton_device()
 

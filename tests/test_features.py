@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from deepflash.engine import Engine
-from deepflash.errors import UserError
-from deepflash.memory import plan_memory
-from deepflash.features import FeatureReadError, FeatureRing, FeatureStore, drafter_window, storage_scale
-from deepflash.quant import FORMATS, row_format
-from deepflash.sampling import SamplingParams
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+
+from deepflash.drafter.features import FeatureReadError, FeatureRing, FeatureStore, drafter_window, storage_scale
+from deepflash.engine.engine import Engine
+from deepflash.engine.memory import plan_memory
+from deepflash.engine.sampling import SamplingParams
+from deepflash.errors import UserError
+from deepflash.kernels.row_formats import FORMATS, row_format
 
 
 @pytest.mark.parametrize("env,cap,want", [

@@ -4,11 +4,11 @@ import gc
 
 import pytest
 import torch
-
-from deepflash.engine import Engine
-from deepflash.graphs import StepGraphs
-from deepflash.sampling import SamplingParams
 from helpers import drafter_config, tiny_drafter, tiny_target_and_tokenizer
+
+from deepflash.engine.engine import Engine
+from deepflash.engine.graphs import StepGraphs
+from deepflash.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA graphs and cuBLAS's per-stream workspaces exist on CUDA only")
@@ -43,7 +43,7 @@ def test_the_feature_commit_beside_the_target_changes_nothing(cuda_graphs, monke
     """spec.OVERLAP_CONTEXT puts a verify step's feature commit on a stream of its own (spec.Steps.aside):
     the output, the feature ring and the drafter's context K/V after a request equal, bit for bit, those
     of the commit on the step's own stream, with and without CUDA graphs."""
-    from deepflash import spec
+    from deepflash.engine import steps as spec
 
     target, tokenizer = tiny_target_and_tokenizer(torch.device("cuda"))
     drafter = tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).cuda()

@@ -4,7 +4,7 @@ kernel's test: test_accept_kernel.py)."""
 import pytest
 import torch
 
-from deepflash.mailbox import Mailbox
+from deepflash.kernels.mailbox import Mailbox
 
 
 def test_slots_in_turn_and_tagged():

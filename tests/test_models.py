@@ -5,13 +5,15 @@ import weakref
 
 import pytest
 import torch
-
-from deepflash.config import ModelConfig, RopeConfig
-from deepflash.engine import Engine
-from deepflash.models import build_from_state, gemv_kernel, layers, random_model
-from deepflash.models.layers import RMSNorm, rope_frequencies
-from deepflash.sampling import SamplingParams
 from helpers import check_left_padded_batch, drafter_config, llama_config, tiny_drafter, tiny_tokenizer
+
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
+from deepflash.kernels import gemv as gemv_kernel
+from deepflash.loading.targets import build_from_state
+from deepflash.models import layers, random_model
+from deepflash.models.config import ModelConfig, RopeConfig
+from deepflash.models.layers import RMSNorm, rope_frequencies
 
 TOL = 1e-4
 
@@ -161,7 +163,7 @@ def test_rope_scaling_matches_transformers(scaling):
 
 def test_saved_checkpoint_loads(tmp_path):
     """A checkpoint written by transformers' save_pretrained (per-expert names) loads through our loader."""
-    from deepflash.models import load_target
+    from deepflash.loading.targets import load_target
 
     hf, _ = hf_pair("qwen3_moe")
     hf.save_pretrained(tmp_path)

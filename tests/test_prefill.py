@@ -3,12 +3,12 @@ KV cache, the feature rings and the first token as one forward over the whole pr
 
 import pytest
 import torch
-
-from deepflash.engine import Engine
-from deepflash.errors import UserError
-from deepflash.graphs import prefill_pieces
-from deepflash.sampling import SamplingParams
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+
+from deepflash.engine.engine import Engine
+from deepflash.engine.graphs import prefill_pieces
+from deepflash.engine.sampling import SamplingParams
+from deepflash.errors import UserError
 
 TOKENIZER = tiny_tokenizer()
 TARGET = tiny_target()

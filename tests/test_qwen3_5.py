@@ -4,16 +4,25 @@ the speculative contract on hybrid targets, and loading saved checkpoints."""
 
 import pytest
 import torch
+from helpers import (
+    EOS,
+    VOCAB,
+    check_left_padded_batch,
+    drafter_config,
+    oracle,
+    third_token_check,
+    tiny_drafter,
+    tiny_tokenizer,
+)
 
-from deepflash.config import ModelConfig
-from deepflash.engine import Engine
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
 from deepflash.errors import UserError
-from deepflash.models import build_from_state, load_target, random_model
+from deepflash.loading.targets import build_from_state, load_target
+from deepflash.models import random_model
+from deepflash.models.config import ModelConfig
 from deepflash.models.delta_rule import chunked_form, recurrent_form, state_after_prefix
 from deepflash.models.gated_deltanet import l2_normalize
-from deepflash.sampling import SamplingParams
-from helpers import (EOS, VOCAB, check_left_padded_batch, drafter_config, oracle, third_token_check, tiny_drafter,
-                     tiny_tokenizer)
 
 TOL = 1e-4
 TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]

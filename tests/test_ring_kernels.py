@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import triton_device
 
-from deepflash.features import FeatureRing, FeatureStore
-from deepflash.quant import FORMATS
+from deepflash.drafter.features import FeatureRing, FeatureStore
+from deepflash.kernels.row_formats import FORMATS
 
 DEVICE = triton_device()
 CUDA = DEVICE == "cuda"
@@ -63,9 +63,9 @@ def test_engine_with_triton_rings_keeps_the_greedy_contract(feature_dtype):
     greedy speculative output == greedy plain output, with a window shorter than the prompt."""
     from helpers import drafter_config, llama_config, tiny_drafter, tiny_tokenizer
 
-    from deepflash.engine import Engine
+    from deepflash.engine.engine import Engine
+    from deepflash.engine.sampling import SamplingParams
     from deepflash.models import materialize, random_model
-    from deepflash.sampling import SamplingParams
 
     # built on the device: the fused projections are not parameters, so .to() would leave them behind
     target = random_model(llama_config(), DEVICE, torch.float32, std=0.2)
@@ -84,7 +84,7 @@ def test_every_program_shape_stores_the_same_bytes(shape, scaled):
     """bench rings --triton-shapes times other shapes: they must store the same bytes, also where the
     last program's rows run past the rows written (3 rows: a program takes 1, 4 or 5), with the scale
     loaded once per program for all its rows."""
-    from deepflash import ring_kernels
+    from deepflash.kernels import rings as ring_kernels
 
     scale = torch.exp2(torch.arange(2880) % 7 - 3.0).to(DEVICE) if scaled else None
     for fmt in ("f16", "q8_0", "q4_0"):

@@ -3,11 +3,11 @@ speculative decoding against the target's exact distribution (chi-square)."""
 
 import pytest
 import torch
-
-from deepflash.engine import Engine
-from deepflash.errors import UserError
-from deepflash.sampling import SamplingParams, adjusted_logits, choose
 from helpers import drafter_config, third_token_check, tiny_drafter, tiny_target, tiny_tokenizer
+
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams, adjusted_logits, choose
+from deepflash.errors import UserError
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0),

@@ -13,12 +13,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
 from deepflash.cli import build_parser
-from deepflash.engine import Engine, Result
-from deepflash.sampling import SamplingParams
+from deepflash.engine.engine import Engine, Result
+from deepflash.engine.sampling import SamplingParams
 from deepflash.server.app import create_app
-from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
 TARGET = tiny_target()

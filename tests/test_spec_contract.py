@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
-
-from deepflash.drafter import DrafterContext
-from deepflash.engine import Engine
-from deepflash.sampling import SamplingParams
-from deepflash.stats import PhaseTimer
 from helpers import EOS, drafter_config, oracle, tiny_drafter, tiny_target, tiny_tokenizer
+
+from deepflash.drafter.context import DrafterContext
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
+from deepflash.engine.stats import PhaseTimer
 
 TOKENIZER = tiny_tokenizer()
 TARGET = tiny_target()
@@ -133,7 +133,7 @@ def test_steps_have_no_host_syncs():
     Python, so it can be captured as a CUDA graph."""
     import torch._dynamo
 
-    from deepflash.sampling import SamplingParams
+    from deepflash.engine.sampling import SamplingParams
 
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=6))
     engine = Engine(TARGET, TOKENIZER, drafter, spec="on", block_size=8, feature_dtype="q4_0")

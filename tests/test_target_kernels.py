@@ -19,7 +19,7 @@ DEVICE = triton_device()
 def test_triton_kernels_match_torch_in_the_model(qk_norm, partial, rope_tokens, monkeypatch):
     """Prefill then decode steps with the kernels on and off: same logits, the same features at a middle
     tap (read from the next norm's kernel: layers.tap) and the last, and the same cache rows."""
-    from deepflash.models import rope_kernel
+    from deepflash.kernels import rope as rope_kernel
 
     monkeypatch.setattr(rope_kernel, "TOKENS", rope_tokens)  # 12 prefill tokens: three full tiles of 4
     cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
@@ -79,7 +79,7 @@ class TorchCalls(TorchFunctionMode):
 def test_decode_attention_matches_sdpa(groups, dim, position, tokens, kv_len, dtype):
     """Queries at positions position.. over keys 0..their position of a cache span kv_len (the rest of a
     CUDA-graph bucket is masked), against SDPA in float32 on the same inputs."""
-    from deepflash.models.decode_kernel import decode_attention
+    from deepflash.kernels.attention import decode_attention
 
     gen = torch.Generator().manual_seed(position)
     kv_heads, slots = 2, 640
@@ -100,7 +100,7 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
     """Each query of a multi-token step equals, bit for bit, a one-token step at its position, whatever
     the cache span (CUDA-graph buckets differ between the two): what keeps greedy speculative decoding
     equal to plain decoding under bf16 rounding."""
-    from deepflash.models.decode_kernel import CHUNK, MERGE_TILES, decode_attention
+    from deepflash.kernels.attention import CHUNK, MERGE_TILES, decode_attention
 
     gen = torch.Generator().manual_seed(7)
     narrow, middle, wide = (CHUNK * tile for tile in MERGE_TILES)  # the keys of each merge tile width
@@ -123,7 +123,7 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
 def test_a_rope_tile_computes_each_token_alone(qk_norm, monkeypatch):
     """rope_and_write over 7 tokens in tiles of 4 (one part-filled) writes, bit for bit, what 7 one-token
     calls write: q, and k and v at their cache slots (a verify step's tokens as decode steps')."""
-    from deepflash.models import rope_kernel
+    from deepflash.kernels import rope as rope_kernel
 
     monkeypatch.setattr(rope_kernel, "TOKENS", 4)
     gen = torch.Generator().manual_seed(3)
@@ -163,7 +163,7 @@ WAVES = [0, 3, 64]
 def tile_projections(monkeypatch, waves: int, tiling: str):
     """gemv_kernel's split at `waves`; "large": the tests' weights take LARGE_CONFIGS' path, a 32x32 weight-first
     tiling with the tiles through TMA where the GPU has it (a dependent launch on Hopper)."""
-    from deepflash.models import gemv_kernel
+    from deepflash.kernels import gemv as gemv_kernel
 
     monkeypatch.setattr(gemv_kernel, "WAVES", waves)
     if tiling == "large":
@@ -180,9 +180,9 @@ def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype,
     kernels and a float32 GEMM on their output, and its projection without a prologue against the GEMM,
     with the reduction whole or split, in the small and the large weights' tilings; the sum is written where
     it is asked for."""
-    from deepflash.models import gemv_kernel
-    from deepflash.models.gemv_kernel import norm_linear, silu_linear
-    from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+    from deepflash.kernels import gemv as gemv_kernel
+    from deepflash.kernels.gemv import norm_linear, silu_linear
+    from deepflash.kernels.layer_ops import add_rms_norm, silu_mul
 
     tile_projections(monkeypatch, waves, tiling)
     a = projection_inputs(rows, dtype)
@@ -211,8 +211,8 @@ def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, tiling,
     """Each row of a 16-row projection equals, bit for bit, the same row projected alone or among 5: a
     verify step's projections compute each token exactly as a one-token decode step's, whole or split, in
     the small and the large weights' tilings."""
-    from deepflash.models import gemv_kernel
-    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+    from deepflash.kernels import gemv as gemv_kernel
+    from deepflash.kernels.gemv import norm_linear, silu_linear
 
     tile_projections(monkeypatch, waves, tiling)
 
@@ -232,8 +232,8 @@ def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, tiling,
 def test_an_unrolled_reduction_adds_the_same_sums(dtype, monkeypatch):
     """gemv_kernel.UNROLL_FROM changes only how the last slice's loop over the parked sums is compiled: a
     split projection gives the same bits rolled and unrolled, at 1 row and at 16."""
-    from deepflash.models import gemv_kernel
-    from deepflash.models.gemv_kernel import norm_linear, silu_linear
+    from deepflash.kernels import gemv as gemv_kernel
+    from deepflash.kernels.gemv import norm_linear, silu_linear
 
     monkeypatch.setattr(gemv_kernel, "WAVES", 64)  # the most slices the tests' reductions split into
     a = projection_inputs(16, dtype, seed=5)
@@ -252,7 +252,7 @@ def test_large_projections_split_into_one_round_of_programs(monkeypatch):
     288 programs of 396 places, two on most SMs and three on others, cost 0.844 -> 0.832; BENCHMARKS.md,
     forty-sixth session). Places an SM: its 227 KB of shared memory over a program's stages of weight tile and
     rows, bf16."""
-    from deepflash.models import gemv_kernel
+    from deepflash.kernels import gemv as gemv_kernel
 
     sms = 132
     monkeypatch.setattr(gemv_kernel, "_sms", lambda device: sms)
@@ -272,9 +272,9 @@ def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     the two kernel sets may round apart: that is why verify and decode share one attention kernel)."""
     from helpers import drafter_config, tiny_drafter, tiny_tokenizer
 
-    from deepflash.engine import Engine
+    from deepflash.engine.engine import Engine
+    from deepflash.engine.sampling import SamplingParams
     from deepflash.models import materialize
-    from deepflash.sampling import SamplingParams
 
     target = random_model(llama_config(), DEVICE, dtype, std=0.2)
     drafter = materialize(tiny_drafter(drafter_config(target.cfg), dtype=dtype).to(DEVICE), DEVICE)
@@ -294,7 +294,7 @@ def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_kernels_match_torch(dtype):
     """add_rms_norm and silu_mul against the torch forms, on widths that are not powers of two."""
-    from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+    from deepflash.kernels.layer_ops import add_rms_norm, silu_mul
 
     gen = torch.Generator().manual_seed(5)
     x, y = (torch.randn(3, 2, 576, generator=gen).to(DEVICE, dtype) for _ in range(2))
@@ -317,7 +317,8 @@ def test_a_draft_on_the_decode_kernel_equals_the_masked_one(sliding):
     were appended by an unaccepted verify: the block overwrites them."""
     from helpers import drafter_config, tiny_drafter, tiny_target
 
-    from deepflash.drafter import DrafterContext, RingBlock
+    from deepflash.drafter.context import DrafterContext
+    from deepflash.drafter.model import RingBlock
 
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(target.cfg, layers=2, sliding=sliding, window=4, block_size=6),
@@ -348,7 +349,7 @@ def test_context_rows_written_on_the_kernel_equal_torchs(sliding):
     sliding layers' smaller rings."""
     from helpers import drafter_config, tiny_drafter, tiny_target
 
-    from deepflash.drafter import DrafterContext
+    from deepflash.drafter.context import DrafterContext
 
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(target.cfg, layers=2, sliding=sliding, window=4, block_size=6),

@@ -10,20 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DOCTEST, site_packages, tiny_target, tiny_tokenizer
 
 from deepflash.cli import main
-from deepflash.drafter import DrafterContext, load_drafter, save_drafter
-from deepflash.engine import Engine
-from deepflash.sampling import SamplingParams
+from deepflash.drafter.checkpoint import load_drafter, save_drafter
+from deepflash.drafter.context import DrafterContext
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
+from deepflash.errors import UserError
 from deepflash.train import exercises
 from deepflash.train.datagen import build_dataset, generate_batch
+from deepflash.train.loss import acceptance_by_position, accepted_drafts, block_loss, walked_acceptance
 from deepflash.train.masks import default_gamma, loss_weights, training_mask, training_mask_mod
-from deepflash.errors import UserError
 from deepflash.train.prompts import SHORT_TASKS, Task, parse_task_weights, short_task
 from deepflash.train.shards import Sequence, read_all, split_held_out
-from deepflash.train.loss import acceptance_by_position, accepted_drafts, block_loss, walked_acceptance
 from deepflash.train.trainer import TrainConfig, Trainer, fold_feature_scale
-from helpers import DOCTEST, site_packages, tiny_target, tiny_tokenizer
 
 
 def naive_allowed(anchors, seq_len, block, causal, window, q, kv):
@@ -64,7 +65,7 @@ def test_training_mask_equals_naive_rule(causal, window):
 def test_chunked_attention_equals_the_dense_masked_one(causal, window):
     """Query chunks that see [context, own blocks] give the dense training mask's outputs and gradients
     (other chunks' block keys are masked there anyway); GQA heads, two sequences."""
-    from deepflash.drafter import attend
+    from deepflash.drafter.model import attend
     from deepflash.models.layers import fold_mask
     from deepflash.train.chunks import chunked_mask
 
@@ -95,7 +96,7 @@ def test_flex_attention_equals_the_dense_masked_one_without_a_compile_per_shape(
     one per shape (dynamo's limit of 8 then sent the rest to the unfused path: 9x slower steps)."""
     import torch._dynamo.utils as dynamo_utils
 
-    from deepflash.drafter import attend
+    from deepflash.drafter.model import attend
     from deepflash.models.layers import fold_mask
     from deepflash.train.flex import block_mask_for
 
@@ -343,7 +344,7 @@ def test_training_settings_are_checked(bad, message):
 def test_batched_generation_matches_one_by_one():
     target = tiny_target(dtype=torch.float32)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-    from deepflash.sampling import SamplingParams as SP
+    from deepflash.engine.sampling import SamplingParams as SP
 
     greedy = SP().validated()
     batch = generate_batch(target, prompts, 6, frozenset({1}), greedy, [0, 0, 0])
@@ -928,8 +929,9 @@ def test_data_parallel_workers_train_one_drafter(dataset, tmp_path):
     """--workers 2 on the CPU (gloo): the workers end on the same step with identical replicas (the run
     raises otherwise), and the lead's export keeps the greedy contract; with --ema the workers share the
     weight average's start (its CPU step count too, which NCCL carries from the GPU) and the lead exports it."""
-    from deepflash.train.parallel import train
     from helpers import tiny_target_and_tokenizer
+
+    from deepflash.train.parallel import train
 
     target, tok, data, _ = dataset
     tc = TrainConfig(data=str(data), out=str(tmp_path / "run"), layers=1, taps=2, block_size=4, anchors=16, steps=6,

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from deepflash import weights
 from deepflash.errors import NotFound, UserError
-from deepflash.models import load_target
+from deepflash.loading import gguf as gguf_files
+from deepflash.loading import weights
+from deepflash.loading.targets import load_target
 
 
 def tiny_hf_llama():
@@ -90,7 +91,7 @@ def test_gguf_converts_once_and_matches(tmp_path, monkeypatch):
     with torch.no_grad():
         diff = (ours(ids, torch.arange(12), ours.new_cache(1, 16))[0] - hf(ids).logits).abs().max()
     assert diff < 0.05  # Q8_0 weights; a wrong q/k permutation gives O(1) differences
-    monkeypatch.setattr(weights, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr(gguf_files, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
     load_target(str(path))
 
 
@@ -100,7 +101,7 @@ def test_gguf_conversion_finished_by_another_process_meanwhile(tmp_path, monkeyp
     monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, tiny_hf_llama())
-    convert = weights._convert_gguf
+    convert = gguf_files._convert_gguf
 
     def convert_while_another_finishes(src, out):
         convert(src, out)
@@ -109,8 +110,8 @@ def test_gguf_conversion_finished_by_another_process_meanwhile(tmp_path, monkeyp
         convert(src, other)
         other.rename(out.with_name(out.name.rsplit(".tmp-", 1)[0]))
 
-    monkeypatch.setattr(weights, "_convert_gguf", convert_while_another_finishes)
-    folder = weights.gguf_folder(path)
+    monkeypatch.setattr(gguf_files, "_convert_gguf", convert_while_another_finishes)
+    folder = gguf_files.gguf_folder(path)
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
 

@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from ..config import EngineConfig
-from ..engine import Engine
+from ..drafter.reach import copied_from_beyond, far_steps
+from ..engine.config import EngineConfig
+from ..engine.engine import Engine
+from ..engine.runtime import load_runtime, resolve_device
+from ..engine.sampling import SamplingParams
+from ..engine.stats import SpecStats
 from ..errors import UserError
-from ..reach import copied_from_beyond, far_steps
-from ..runtime import load_runtime, resolve_device
-from ..sampling import SamplingParams
-from ..stats import SpecStats
 from .common import environment, finish, save, table
 from .prompts import depth_prompts, humaneval_messages, recall_prompts
 

@@ -61,9 +61,9 @@ def copy_bandwidth(device: torch.device, megabytes: int = 2048, repeats: int = 1
 
 def embedded_pair(device_name: str = "auto"):
     """The embedded target and its tokenizer on a device, in the engine's default dtype for it."""
-    from ..models import load_target
-    from ..runtime import resolve_device, resolve_dtype
-    from ..tokenizer import load_tokenizer
+    from ..engine.runtime import resolve_device, resolve_dtype
+    from ..loading.targets import load_target
+    from ..loading.tokenizer import load_tokenizer
 
     device = resolve_device(device_name)
     target, folder = load_target(None, device, resolve_dtype("auto", device))

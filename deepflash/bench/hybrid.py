@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ModelConfig
 from ..models import random_model
+from ..models.config import ModelConfig
 from ..models.delta_rule import fla_available
 from .common import environment, finish, table
 

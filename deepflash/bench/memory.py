@@ -6,11 +6,11 @@ import gc
 
 import torch
 
-from ..config import EngineConfig
+from ..engine.config import EngineConfig
+from ..engine.memory import mib
+from ..engine.runtime import load_runtime, resolve_device
+from ..engine.sampling import SamplingParams
 from ..errors import UserError
-from ..memory import mib
-from ..runtime import load_runtime, resolve_device
-from ..sampling import SamplingParams
 from .common import environment, finish, table
 from .prompts import depth_prompts
 

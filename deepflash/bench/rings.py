@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import ring_kernels
+from ..drafter.features import FeatureRing, pick_ring_kernels
+from ..engine.runtime import resolve_device
 from ..errors import UserError
-from ..features import FeatureRing, pick_ring_kernels
-from ..quant import FORMATS
-from ..runtime import resolve_device
+from ..kernels import rings as ring_kernels
+from ..kernels.row_formats import FORMATS
 from .common import copy_bandwidth, environment, finish, graph_seconds, sync, table
 
 PAIRS = {"SmolLM2-135M (5 taps x 576)": 5 * 576, "Qwen3-8B-shaped (5 taps x 4096)": 5 * 4096}

@@ -7,14 +7,15 @@ import time
 
 import torch
 
-from ..config import EngineConfig, ModelConfig
-from ..drafter import DFlashDrafter
-from ..engine import Engine
+from ..drafter.model import DFlashDrafter
+from ..engine.config import EngineConfig
+from ..engine.engine import Engine
+from ..engine.runtime import load_runtime, resolve_device
+from ..engine.sampling import SamplingParams
 from ..errors import UserError
+from ..loading.tokenizer import word_tokenizer
 from ..models import init_random_, materialize, random_model
-from ..runtime import load_runtime, resolve_device
-from ..sampling import SamplingParams
-from ..tokenizer import word_tokenizer
+from ..models.config import ModelConfig
 from .common import copy_bandwidth, environment, finish, sync, table
 from .prompts import depth_prompts, humaneval_messages
 
@@ -188,7 +189,7 @@ def run(args) -> dict:
     if wanted & set(transformers_runs):
         from transformers import AutoModelForCausalLM
 
-        from ..weights import resolve_model
+        from ..loading.weights import resolve_model
 
         hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=target.dtype).to(device)
         for name, kwargs in transformers_runs.items():

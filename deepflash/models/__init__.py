@@ -1,15 +1,12 @@
-"""Target model registry (HF model_type -> our implementation) and loading into it."""
+"""Target model registry (HF model_type -> our implementation) and random-weight models."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from ..config import ModelConfig
 from ..errors import UserError
-from ..weights import fuse_experts, load_tensors, read_config, resolve_model, safetensors_files
 from .base import TargetModel
+from .config import ModelConfig
 from .llama import LlamaModel
 from .qwen3_5 import Qwen35Model
 
@@ -31,28 +28,6 @@ def model_class(cfg: ModelConfig) -> type[TargetModel]:
         raise UserError(
             f"no implementation for model type {cfg.model_type!r}; supported: {', '.join(MODEL_CLASSES)}"
         ) from None
-
-
-def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> TargetModel:
-    """Materialise a model straight from tensors (no random init, no second copy of the weights). The
-    dict is emptied: then the model holds the only references, and the tensors that fusion
-    (fuse_projections) replaces are freed as it goes rather than all at the end (on Qwen3-8B the fused
-    q/k/v and gate/up are 65% of the weights)."""
-    cls = model_class(cfg)
-    named = cls.prepare_state_dict(fuse_experts(state), cfg)
-    state.clear()
-    with torch.device("meta"):
-        model = cls(cfg).to(dtype)
-    named = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in named.items()}
-    missing, unexpected = model.load_state_dict(named, strict=False, assign=True)
-    named.clear()
-    if missing or unexpected:
-        raise UserError(
-            f"checkpoint does not match the {cfg.model_type} architecture: "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
-    model.tie_weights()
-    return materialize(model, device).fuse_projections().eval().requires_grad_(False)
 
 
 def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
@@ -93,14 +68,4 @@ def random_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int 
     return materialize(model, device).fuse_projections().eval().requires_grad_(False)
 
 
-def load_target(spec: str | None, device="cpu", dtype=torch.float32) -> tuple[TargetModel, Path]:
-    """Load a target from a folder, .gguf file, hub id or the embedded default (None)."""
-    folder = resolve_model(spec)
-    cfg = ModelConfig.from_hf(read_config(folder))
-    model_class(cfg)  # fail on an unsupported architecture before reading gigabytes
-    state = load_tensors(safetensors_files(folder), device, dtype)
-    return build_from_state(cfg, state, device, dtype), folder
-
-
-__all__ = ["MODEL_CLASSES", "TargetModel", "build_from_state", "init_random_", "load_target", "model_class",
-           "random_model"]
+__all__ = ["MODEL_CLASSES", "TargetModel", "init_random_", "materialize", "model_class", "random_model"]

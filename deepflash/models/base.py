@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
 from ..errors import UserError
+from .config import ModelConfig
 from .layers import FusedProjections, embedding_rows, final_norm, tap
-
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
 
@@ -47,7 +46,7 @@ class TargetModel(FusedProjections):
         layer_kernels.py for the residual add + norm and SwiGLU's silu * up)."""
         if kind not in TARGET_KERNELS:
             raise UserError(f"target kernels must be one of {', '.join(TARGET_KERNELS)}, got {kind!r}")
-        from .rope_kernel import available
+        from ..kernels.rope import available
 
         layers = [module for module in self.modules() if hasattr(module, "kernels")]
         if kind == "auto":

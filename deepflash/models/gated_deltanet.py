@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form
 
 # fla's fused recurrent kernel (token by token in one launch) takes runs of at most this many tokens

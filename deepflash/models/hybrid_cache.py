@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv import KVCache
 from .delta_rule import state_after_prefix
+from .kv_cache import KVCache
 
 ROLLBACK_MODES = ("capture", "replay")
 

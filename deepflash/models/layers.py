@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import RopeConfig
-from ..kv import causal_mask
+from .config import RopeConfig
+from .kv_cache import causal_mask
 
 
 def embedding_rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def tap(x: torch.Tensor | Pending, next_norm: nn.Module):
 def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, normed) by the Triton kernel (layer_kernels.add_rms_norm) of a layer input that is one
     tensor or a fused layer's Pending output: the pending add runs inside the norm's kernel."""
-    from .layer_kernels import add_rms_norm  # imports Triton: only where it is used
+    from ..kernels.layer_ops import add_rms_norm  # imports Triton: only where it is used
 
     residual, delta, total = _parts(x)
     return add_rms_norm(residual, delta, norm.weight, norm.eps, total)
@@ -77,7 +77,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
     """(residual, projection of the normed residual) of a fused layer's input: for a decode or verify
     step's few rows one kernel (gemv_kernel.norm_linear: add, norm and GEMV), else fused_norm's kernel
     and torch's GEMM."""
-    from . import gemv_kernel  # imports Triton: only where it is used
+    from ..kernels import gemv as gemv_kernel  # imports Triton: only where it is used
 
     residual, delta, total = _parts(x)
     if not gemv_kernel.fits(residual, weight):
@@ -89,7 +89,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
 def output_projection(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """proj(x) for an attention output on the Triton kernels: for a decode or verify step's few rows
     gemv_kernel.linear (a dependent launch like the kernels around it), else torch's GEMM."""
-    from . import gemv_kernel  # imports Triton: only where it is used
+    from ..kernels import gemv as gemv_kernel  # imports Triton: only where it is used
 
     if gemv_kernel.OUTPUT_PROJECTIONS and gemv_kernel.fits(x, proj.weight):
         return gemv_kernel.linear(x, proj.weight, proj.bias)
@@ -215,7 +215,7 @@ def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
     untransposed, which streamed Qwen3-8B's q/k/v, gate/up, down and LM head weights 3-8% faster for 1
     and 16 rows (scripts/gpu/blas_layouts.py, BENCHMARKS.md, twenty-third session). Other weights, and
     one already stored so, come back as they are."""
-    from . import gemv_kernel
+    from ..kernels import gemv as gemv_kernel
 
     if (weight.device.type not in COLUMN_MAJOR_DEVICES or weight.dim() != 2 or weight.stride(-1) != 1
             or gemv_kernel.small(weight)):
@@ -301,8 +301,8 @@ class MLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down_proj(silu(gate) * up) of the fused gate/up output on the Triton kernels: for a decode or
         verify step's few rows one kernel (gemv_kernel.silu_linear), else silu_mul's and torch's GEMM."""
-        from . import gemv_kernel
-        from .layer_kernels import silu_mul
+        from ..kernels import gemv as gemv_kernel
+        from ..kernels.layer_ops import silu_mul
 
         if gemv_kernel.fits(gate_up, self.down_proj.weight):
             return gemv_kernel.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)

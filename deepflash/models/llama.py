@@ -9,11 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..kv import KVCache
 from .base import TargetModel
-from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask,
-                     fuse_linears, fused_norm, norm_linear, output_projection)
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers import (
+    DECODE,
+    MLP,
+    Pending,
+    RMSNorm,
+    Rotary,
+    SparseMoe,
+    apply_rotary,
+    attention,
+    forward_mask,
+    fuse_linears,
+    fused_norm,
+    norm_linear,
+    output_projection,
+)
 
 
 class Attention(nn.Module):
@@ -39,8 +52,8 @@ class Attention(nn.Module):
         """The Triton form from the fused q/k/v projection's output (DecoderLayer.fused_forward projects
         inside its norm's kernel): q/k norm, rope and the cache write as one kernel (rope_kernel.py),
         then attention and o_proj."""
-        from .decode_kernel import decode_attention  # imports Triton: only where it is used
-        from .rope_kernel import rope_and_write
+        from ..kernels.attention import decode_attention  # imports Triton: only where it is used
+        from ..kernels.rope import rope_and_write
 
         b, t, _ = qkv.shape
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
@@ -133,7 +146,7 @@ class LlamaModel(TargetModel):
         """DECODE for decode and verify steps on the Triton kernels (a few queries, no key mask, not the
         whole key range): the decode-attention kernel masks by position, and building the mask tensor
         anyway cost 6 kernels per step. Else forward_mask's."""
-        from .decode_kernel import MAX_QUERIES
+        from ..kernels.attention import MAX_QUERIES
 
         t = positions.shape[-1]
         if self.kernels == "triton" and key_mask is None and t <= MAX_QUERIES and t != kv_len:

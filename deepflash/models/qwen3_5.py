@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import ModelConfig
 from ..errors import UserError
-from ..kv import KVCache
 from .base import TargetModel
+from .config import ModelConfig
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
 from .hybrid_cache import ROLLBACK_MODES, HybridCache
+from .kv_cache import KVCache
 from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention, forward_mask
 
 LAYER_TYPES = ("linear_attention", "full_attention")

@@ -14,9 +14,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine import Chunk, Engine
+from ..engine.engine import Chunk, Engine
 from ..errors import NotFound
-from ..tokenizer import Tokenizer
+from ..loading.tokenizer import Tokenizer
 from .errors import ClientGone, describe, install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .protocol import ChatRequest, ChatShape, CompletionRequest, CompletionShape, GenerationRequest, Reply

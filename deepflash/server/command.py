@@ -10,7 +10,7 @@ GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, running requests get this long; then they
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..runtime import add_engine_args
+    from ..engine.runtime import add_engine_args
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from ..runtime import engine_config, load_runtime
+    from ..engine.runtime import engine_config, load_runtime
     from .app import create_app
 
     if args.queue_size < 1:

@@ -15,9 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..engine import Result
-from ..sampling import SamplingParams
-from ..stats import SpecStats
+from ..engine.engine import Result
+from ..engine.sampling import SamplingParams
+from ..engine.stats import SpecStats
 
 
 class GenerationRequest(BaseModel):

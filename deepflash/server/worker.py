@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 
-from ..engine import Chunk, Engine, Result
-from ..sampling import SamplingParams
+from ..engine.engine import Chunk, Engine, Result
+from ..engine.sampling import SamplingParams
 from .metrics import ServerMetrics
 
 

@@ -27,6 +27,11 @@ class ChunkedMask:
     folded: torch.Tensor
     chunks: int
 
+    def attend(self, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """drafter.model.attend for this mask (chunked_attend)."""
+        return chunked_attend(q, ctx_k, ctx_v, k, v, self)
+
 
 def chunked_mask(anchors: torch.Tensor, seq_len: int, block: int, causal: bool, window: int | None,
                  blocks: int, groups: int, dtype: torch.dtype) -> ChunkedMask:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..drafter import STORAGES
+from ..drafter.checkpoint import STORAGES
 from ..errors import UserError
 from .prompts import MAX_LONG_CHARS, PER_FILE, SHORT_TASKS, longest_opening
 
@@ -144,7 +144,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from ..runtime import resolve_device
+    from ..engine.runtime import resolve_device
 
     device = resolve_device(args.device)
     return (*target_on(args.model, args.dtype, device), device)
@@ -152,9 +152,9 @@ def _load(args):
 
 def target_on(model: str | None, dtype: str, device):
     """The target and its tokenizer on one device (module-level: training workers call it by name)."""
-    from ..models import load_target
-    from ..runtime import resolve_dtype
-    from ..tokenizer import load_tokenizer
+    from ..engine.runtime import resolve_dtype
+    from ..loading.targets import load_target
+    from ..loading.tokenizer import load_tokenizer
 
     target, folder = load_target(model, device, resolve_dtype(dtype, device))
     return target, load_tokenizer(folder)
@@ -237,7 +237,7 @@ def cmd_train(args) -> None:
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1:
-        from ..runtime import resolve_device
+        from ..engine.runtime import resolve_device
         from .parallel import train
 
         load = functools.partial(target_on, args.model, args.dtype)
@@ -251,8 +251,9 @@ def cmd_train(args) -> None:
 def cmd_export(args) -> None:
     import torch
 
-    from ..config import DrafterConfig
-    from ..drafter import DFlashDrafter, save_drafter
+    from ..drafter.checkpoint import save_drafter
+    from ..drafter.config import DrafterConfig
+    from ..drafter.model import DFlashDrafter
     from .trainer import Progress, fold_feature_scale, saved_weights
 
     path = Path(args.run) / "checkpoint.pt"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..graphs import StepGraphs
+from ..engine.graphs import StepGraphs
+from ..engine.sampling import SamplingParams, choose
+from ..engine.stats import PhaseTimer
 from ..progress import bar
-from ..sampling import SamplingParams, choose
-from ..stats import PhaseTimer
 from .prompts import Task
 from .shards import Sequence, write_shard
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import ast
 import random
 
+from ..engine.sampling import SamplingParams
 from ..progress import bar
-from ..sampling import SamplingParams
 from .datagen import generate_batch
 from .prompts import SHORT_TASKS, Task, _header, parse_quietly
 

@@ -9,6 +9,7 @@ context length from a tensor for the same reason: a Python int would be guarded 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +25,17 @@ def flex_attend(q, k, v, block_mask):
     return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
-def block_mask_for(mask_mod, q_len: int, kv_len: int, device, batch: int | None = None):
+@dataclass(frozen=True)
+class FlexMask:
+    """A flex_attention BlockMask over keys [context, block], as drafter.model.attend takes masks."""
+
+    block_mask: object
+
+    def attend(self, q, ctx_k, ctx_v, k, v):
+        return flex_attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), self.block_mask)
+
+
+def block_mask_for(mask_mod, q_len: int, kv_len: int, device, batch: int | None = None) -> FlexMask:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+    return FlexMask(create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device))

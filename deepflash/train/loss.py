@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config import DrafterConfig
-from ..drafter import DFlashDrafter
+from ..drafter.config import DrafterConfig
+from ..drafter.model import DFlashDrafter
 from .chunks import chunked_mask
 from .masks import query_layout, training_mask_mod
 

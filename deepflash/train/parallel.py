@@ -104,12 +104,12 @@ def train(workers: int, tc, load: Callable, device: torch.device) -> Path:
 
 
 def _worker(rank: int, workers: int, port: int, tc, load: Callable, device: torch.device) -> None:
-    from .trainer import Trainer
-
     # dynamo first imported after the group exists keeps a reference to the group (torch 2.13), so that
     # destroy_process_group cannot join gloo's threads; one of them then finished a collective during the
     # interpreter's shutdown and aborted the process (about 1 CPU test run in 10). Imported first, it does not.
     import torch._dynamo  # noqa: F401
+
+    from .trainer import Trainer
 
     mine = worker_device(rank, device)
     if mine.type == "cuda":

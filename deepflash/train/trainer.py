@@ -47,12 +47,13 @@ from pathlib import Path
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ..config import DrafterConfig, default_target_layer_ids
-from ..drafter import STORAGES, DFlashDrafter, load_drafter, save_drafter, stored_as, validate_pair
+from ..drafter.checkpoint import STORAGES, load_drafter, save_drafter, stored_as, validate_pair
+from ..drafter.config import DrafterConfig, default_target_layer_ids
+from ..drafter.model import DFlashDrafter
+from ..drafter.reach import copied_from_beyond
 from ..errors import UserError
 from ..models import init_random_
 from ..progress import bar, stderr
-from ..reach import copied_from_beyond
 from .loss import acceptance_by_position, block_loss, labelled, walked_acceptance
 from .masks import default_gamma, loss_weights
 from .parallel import Group

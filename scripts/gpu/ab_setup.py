@@ -13,9 +13,9 @@ import torch
 from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
 from deepflash.bench.speed import SMOLLM2_135M, random_engine
-from deepflash.drafter import load_drafter
-from deepflash.engine import Engine
-from deepflash.runtime import DEFAULT_DRAFTER
+from deepflash.drafter.checkpoint import load_drafter
+from deepflash.engine.engine import Engine
+from deepflash.engine.runtime import DEFAULT_DRAFTER
 
 
 def parse_switches(text: str) -> dict:

@@ -7,9 +7,9 @@ import json
 
 from ab_setup import embedded_ab, engine, report, spec_row
 
-import deepflash.engine as engine_module
+import deepflash.engine.engine as engine_module
 from deepflash.bench.accept import measure
-from deepflash.sampling import SamplingParams
+from deepflash.engine.sampling import SamplingParams
 
 
 def main():

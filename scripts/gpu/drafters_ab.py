@@ -11,8 +11,8 @@ import json
 from ab_setup import embedded_ab, engine, report, spec_row
 
 from deepflash.bench.accept import measure
-from deepflash.drafter import load_drafter
-from deepflash.sampling import SamplingParams
+from deepflash.drafter.checkpoint import load_drafter
+from deepflash.engine.sampling import SamplingParams
 
 
 def main():

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from ab_setup import parse_arm, set_switches
 
 from deepflash.bench.common import copy_bandwidth, finish, graph_seconds
-from deepflash.models import gemv_kernel
-from deepflash.models.layer_kernels import add_rms_norm, silu_mul
+from deepflash.kernels import gemv as gemv_kernel
+from deepflash.kernels.layer_ops import add_rms_norm, silu_mul
 
 # name: (hidden, q/k/v rows, intermediate, query heads x head dim)
 MODELS = {"smollm2": (576, (9 + 2 * 3) * 64, 1536, 9 * 64), "qwen3-8b": (4096, (32 + 2 * 8) * 128, 12288, 32 * 128)}

@@ -15,12 +15,13 @@ import json
 import torch
 from ab_setup import embedded_ab, engine, parse_arm, report, set_switches
 
-from deepflash import argmax_kernel
 from deepflash.bench.accept import measure
 from deepflash.bench.common import copy_bandwidth
 from deepflash.bench.speed import qwen3_8b_mbu
-from deepflash.models import gemv_kernel, pdl
-from deepflash.sampling import SamplingParams
+from deepflash.engine.sampling import SamplingParams
+from deepflash.kernels import argmax as argmax_kernel
+from deepflash.kernels import gemv as gemv_kernel
+from deepflash.kernels import pdl
 
 ARMS = {"shipped": {}, "torch argmax": {(argmax_kernel, "MAX_ROWS"): 0},
         "separate projections": {(gemv_kernel, "MAX_ROWS"): 0},

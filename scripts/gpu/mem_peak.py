@@ -15,9 +15,9 @@ from collections import defaultdict
 import torch
 
 from deepflash.bench.prompts import depth_prompts
-from deepflash.config import EngineConfig
-from deepflash.runtime import load_runtime
-from deepflash.sampling import SamplingParams
+from deepflash.engine.config import EngineConfig
+from deepflash.engine.runtime import load_runtime
+from deepflash.engine.sampling import SamplingParams
 
 
 def trace_events() -> list[dict]:

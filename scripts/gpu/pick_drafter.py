@@ -13,10 +13,9 @@ from pathlib import Path
 from deepflash.bench.accept import measure
 from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
-from deepflash.drafter import load_drafter
-from deepflash.engine import Engine
-from deepflash.sampling import SamplingParams
-
+from deepflash.drafter.checkpoint import load_drafter
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
 
 MAX_BYTES = 25_000_000
 

@@ -14,12 +14,13 @@ import torch
 from ab_setup import parse_switches, set_switches
 
 from deepflash.bench.speed import QWEN3_8B, SMOLLM2_135M, random_engine, run_engine
-from deepflash.drafter import load_drafter
-from deepflash.engine import Engine
-from deepflash.graphs import kv_bucket
-from deepflash.models import decode_kernel, rope_kernel
-from deepflash.runtime import DEFAULT_DRAFTER
-from deepflash.sampling import SamplingParams
+from deepflash.drafter.checkpoint import load_drafter
+from deepflash.engine.engine import Engine
+from deepflash.engine.graphs import kv_bucket
+from deepflash.engine.runtime import DEFAULT_DRAFTER
+from deepflash.engine.sampling import SamplingParams
+from deepflash.kernels import attention as decode_kernel
+from deepflash.kernels import rope as rope_kernel
 
 LONG_PROMPT = [100 + i % 40000 for i in range(5800)]
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from deepflash.bench.speed import SMOLLM2_135M, random_target
-from deepflash.models import load_target
-from deepflash.tokenizer import load_tokenizer
+from deepflash.loading.targets import load_target
+from deepflash.loading.tokenizer import load_tokenizer
 from deepflash.train import trainer as trainer_module
 from deepflash.train.shards import Sequence, iter_batches, write_shard
 from deepflash.train.trainer import TrainConfig, Trainer

@@ -11,11 +11,11 @@ import json
 import sys
 
 import deepflash
-from deepflash import ring_kernels
 from deepflash.bench.common import copy_bandwidth, finish
 from deepflash.bench.rings import measure
-from deepflash.quant import FORMATS
-from deepflash.runtime import resolve_device
+from deepflash.engine.runtime import resolve_device
+from deepflash.kernels import rings as ring_kernels
+from deepflash.kernels.row_formats import FORMATS
 
 
 def load(path: str):

@@ -10,10 +10,10 @@ import torch
 from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
 from deepflash.bench.speed import never_matching_drafter
-from deepflash.config import DrafterConfig
-from deepflash.drafter import DFlashDrafter
-from deepflash.engine import Engine
-from deepflash.sampling import SamplingParams
+from deepflash.drafter.config import DrafterConfig
+from deepflash.drafter.model import DFlashDrafter
+from deepflash.engine.engine import Engine
+from deepflash.engine.sampling import SamplingParams
 from deepflash.train.datagen import generate_batch
 
 

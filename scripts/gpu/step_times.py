@@ -8,10 +8,10 @@ from collections import defaultdict
 from statistics import mean
 
 from deepflash.bench.prompts import humaneval_messages
-from deepflash.config import EngineConfig
-from deepflash.engine import Engine
-from deepflash.runtime import load_runtime
-from deepflash.sampling import SamplingParams
+from deepflash.engine.config import EngineConfig
+from deepflash.engine.engine import Engine
+from deepflash.engine.runtime import load_runtime
+from deepflash.engine.sampling import SamplingParams
 
 
 def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 QK = 32  # values per block in both GGML formats
 

@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from .errors import UserError
-from .quant import RowFormat, row_format
+from ..errors import UserError
+from ..kernels.row_formats import RowFormat, row_format
 
 RING_CAP_ENV = "DEEPFLASH_FEAT_RING_CAP"
 
@@ -178,7 +178,7 @@ def pick_ring_kernels(kind: str, device: torch.device | str) -> str:
     as asked (store_and_decode checks it)."""
     if kind != "auto":
         return kind
-    from . import ring_kernels as triton_kernels
+    from ..kernels import rings as triton_kernels
 
     if torch.device(device).type == "cuda" and triton_kernels.available():
         return "triton"
@@ -193,7 +193,7 @@ def store_and_decode(kind: str, fmt: RowFormat):
       dynamic, so one kernel serves every run length.
     triton: one hand-written pass each way (ring_kernels.py), same bytes."""
     if kind == "triton":
-        from . import ring_kernels as triton_kernels
+        from ..kernels import rings as triton_kernels
 
         if not triton_kernels.available():
             raise UserError("ring kernels 'triton' need the triton package (it comes with CUDA builds of torch)")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import spec
-from .features import drafter_window
-from .quant import row_format
+from ..drafter.features import drafter_window
+from ..kernels.row_formats import row_format
+from . import steps as spec
 
 TAG_BYTES = 8  # int64 position tag per ring slot
 

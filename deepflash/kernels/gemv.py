@@ -32,7 +32,7 @@ import torch
 
 from . import pdl
 from .arrivals import arrival_counters
-from .decode_kernel import INTERPRETED
+from .attention import INTERPRETED
 
 try:
     import triton

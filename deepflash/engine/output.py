@@ -6,7 +6,7 @@ exactly where plain decoding would, whatever the block size.
 
 from __future__ import annotations
 
-from .tokenizer import Detokenizer
+from ..loading.tokenizer import Detokenizer
 
 
 class OutputTracker:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import QK, RowFormat
+from .row_formats import QK, RowFormat
 
 try:
     import triton

@@ -18,17 +18,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafter.checkpoint import validate_pair
+from ..drafter.context import DrafterContext, drafter_kernels
+from ..drafter.features import FeatureStore, drafter_window, pick_ring_kernels, storage_scale
+from ..drafter.model import DFlashDrafter
+from ..errors import UserError
+from ..loading.tokenizer import Detokenizer, Tokenizer
+from ..models import TargetModel
 from .controller import SpecController
-from .drafter import DFlashDrafter, DrafterContext, drafter_kernels, validate_pair
-from .errors import UserError
-from .features import FeatureStore, drafter_window, pick_ring_kernels, storage_scale
 from .graphs import StepGraphs, kv_bucket, prefill_pieces
-from .models import TargetModel
 from .output import OutputTracker
 from .sampling import SamplingParams
-from .spec import StepState, Steps
 from .stats import PhaseTimer, SpecStats
-from .tokenizer import Detokenizer, Tokenizer
+from .steps import Steps, StepState
 
 PIPELINE_DEPTH = 2  # decode steps queued on the device at once (see Engine._fill)
 # A speculative step is one CUDA graph, the draft then the verify (Steps.speculate): one launch, and under

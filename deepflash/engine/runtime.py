@@ -8,19 +8,22 @@ from pathlib import Path
 
 import torch
 
-from .config import DTYPES, EngineConfig, ModelConfig
-from .drafter import DFlashDrafter, load_drafter, validate_pair
+from ..drafter.checkpoint import load_drafter, validate_pair
+from ..drafter.features import RING_KERNELS
+from ..drafter.model import DFlashDrafter
+from ..errors import UserError
+from ..kernels.row_formats import FORMATS
+from ..loading.targets import load_target
+from ..loading.tokenizer import Tokenizer, load_tokenizer
+from ..loading.weights import EMBEDDED_NAME
+from ..models import TargetModel
+from ..models.base import TARGET_KERNELS
+from ..models.config import ModelConfig
+from .config import DTYPES, EngineConfig
 from .engine import Engine
-from .errors import UserError
-from .features import RING_KERNELS
 from .memory import MemoryPlan, auto_max_ctx, free_device_bytes, plan_memory
-from .models import TargetModel, load_target
-from .models.base import TARGET_KERNELS
-from .quant import FORMATS
-from .tokenizer import Tokenizer, load_tokenizer
-from .weights import EMBEDDED_NAME
 
-DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m"
+DEFAULT_DRAFTER = Path(__file__).parent.parent / "drafters" / "smollm2-135m"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,10 +95,10 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
 
 def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None, ModelConfig]:
     """The pair built on the meta device from configs alone (memory plans without reading weights)."""
-    from .config import DrafterConfig
-    from .drafter import resolve_drafter
-    from .models import model_class
-    from .weights import read_config, resolve_model
+    from ..drafter.checkpoint import resolve_drafter
+    from ..drafter.config import DrafterConfig
+    from ..loading.weights import read_config, resolve_model
+    from ..models import model_class
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)

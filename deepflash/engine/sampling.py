@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .argmax_kernel import argmax
-from .errors import UserError
+from ..errors import UserError
+from ..kernels.argmax import argmax
 
 _MASK32 = 0xFFFFFFFF
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.arrivals import arrival_counters
+from .arrivals import arrival_counters
 
 try:
     import triton

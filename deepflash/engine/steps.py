@@ -16,10 +16,11 @@ import functools
 
 import torch
 
-from .accept_kernel import accept
-from .drafter import DFlashDrafter, DrafterContext, propose
-from .features import FeatureStore
-from .mailbox import Mailbox
+from ..drafter.context import DrafterContext, propose
+from ..drafter.features import FeatureStore
+from ..drafter.model import DFlashDrafter
+from ..kernels.accept import accept
+from ..kernels.mailbox import Mailbox
 from .sampling import SamplingParams, choose
 
 # A verify block's features go to the rings and the drafter's context K/V whatever it accepts (Steps.

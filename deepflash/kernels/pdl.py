@@ -26,6 +26,6 @@ def _hopper(device: torch.device) -> bool:
 
 def dependent(device: torch.device) -> bool:
     """Whether a kernel on `device` launches as a dependent (its GDC constexpr and `launch_pdl`)."""
-    from .decode_kernel import INTERPRETED  # here: decode_kernel imports this module
+    from .attention import INTERPRETED  # here: decode_kernel imports this module
 
     return ENABLED and not INTERPRETED and _hopper(device)
