@@ -51,7 +51,8 @@ def cmd_info(args: argparse.Namespace) -> None:
     from .engine.runtime import engine_config, meta_models
 
     cfg = engine_config(args)
-    target, drafter, tcfg = meta_models(cfg)
+    target, drafter = meta_models(cfg)
+    tcfg = target.cfg
     out = {
         "model": cfg.model or "embedded SmolLM2-135M-Instruct",
         "architecture": tcfg.model_type,
@@ -68,8 +69,9 @@ def cmd_info(args: argparse.Namespace) -> None:
         out["drafter"] = {"layers": d.num_layers, "block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids),
                           "trained_context_length": d.trained_context_length, "weight_bytes": drafter.weight_bytes(),
                           "feature_bytes_per_token_f32": target.feature_bytes_per_token(len(d.target_layer_ids))}
-    if args.plan:
-        out["plan"] = _plan(args, cfg, target, drafter).to_json()
+    plan = _plan(cfg, target, drafter) if args.plan else None
+    if plan is not None:
+        out["plan"] = plan.to_json()
     if args.json:
         print(json.dumps(out))
         return
@@ -79,24 +81,17 @@ def cmd_info(args: argparse.Namespace) -> None:
         if key.endswith("bytes") or key.endswith("bytes_per_token"):
             value = f"{value:,} ({mib(value):.2f} MiB)" if value > 2**20 else f"{value:,}"
         print(f"{key:<24} {value}")
-    if args.plan:
-        print(_plan(args, cfg, target, drafter).table())
+    if plan is not None:
+        print(plan.table())
 
 
-def _plan(args, cfg, target, drafter):
-    from .engine.memory import auto_max_ctx, free_device_bytes, plan_memory
-    from .engine.runtime import resolve_device
+def _plan(cfg, target, drafter):
+    """The memory plan of the engine `cfg` describes (models on the meta device: nothing is loaded)."""
+    from .engine.memory import plan_memory
+    from .engine.runtime import resolve_device, resolve_max_ctx
 
-    plan_args = dict(feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap, trained_ctx=cfg.trained_ctx,
-                     block_size=cfg.block_size, device=resolve_device(cfg.device))
-    max_ctx = cfg.max_ctx
-    if max_ctx == "auto":
-        budget = free_device_bytes(resolve_device(cfg.device)) - cfg.reserve_mb * 2**20
-        max_ctx = auto_max_ctx(target, drafter, budget, **plan_args)
-        if max_ctx < 2:
-            raise UserError("the model does not fit in the free device memory")
-    max_ctx = min(max_ctx or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
-    return plan_memory(target, drafter, max_ctx, **plan_args)
+    device = resolve_device(cfg.device)
+    return plan_memory(target, drafter, resolve_max_ctx(cfg, target, drafter, device), cfg, device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     gen.add_argument("--system", help="system message")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: a random one, reported with --json)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="end stdout with one JSON line of results")
     add_engine_args(gen)
@@ -122,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, size and memory plan of a model (pair)")
     info.add_argument("model_pos", nargs="?", metavar="MODEL")
     info.add_argument("--plan", action="store_true", help="print the memory plan")
-    info.add_argument("--json", action="store_true")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
 
@@ -133,7 +128,28 @@ def build_parser() -> argparse.ArgumentParser:
     register_serve(sub)
     register_bench(sub)
     register_training(sub)
+    _show_defaults(parser)
     return parser
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that states each option's default, where it has one worth stating."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or not action.option_strings or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's --help with _DefaultsFormatter."""
+    parser.formatter_class = _DefaultsFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                _show_defaults(subparser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Compile every Triton kernel deepflash launches, for a Hopper GPU (sm_90), on a machine without one.
 
 Triton's interpreter (the CPU tests) runs what the compiler refuses: a helper with two differently typed
-returns ran there and failed to compile on the H200 (sixteenth session). Run as a script (the tests call
+returns ran there and failed to compile on the H200. Run as a script (the tests call
 it in a subprocess, outside the interpreter): it replaces the launch with a compile of the same
 arguments, calls each wrapper with CPU tensors of the shapes the engine uses, and prints one line per
 compiled binary."""
@@ -120,7 +120,7 @@ def model_kernels():
             rope_and_write(qkv, cos, cos, torch.arange(t), k, v, heads, kv_heads, None, None, 1e-6)
             decode_attention(torch.zeros(1, heads, t, dim, dtype=dtype), k, v, torch.arange(t), 64)
             pdl.dependent = dependent
-        if hidden == 4096:  # Qwen3-8B's projections as dependents: their weight tiles through TMA (LARGE_CONFIGS)
+        if hidden == 4096:  # Qwen3-8B's projections as dependents: their weight tiles through TMA (config.LARGE_TILINGS)
             pdl.dependent = lambda device: True
             norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, qkv_weight)
             norm_linear(h, h, torch.ones(hidden, dtype=dtype), 1e-5, torch.zeros(2 * inner, hidden, dtype=dtype))
@@ -131,7 +131,7 @@ def model_kernels():
         rows_argmax(torch.zeros(t, 49152 if hidden == 576 else 151936, dtype=dtype))
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
-    # a verify step's acceptance (a block of 16), posting its result to the host (accept_kernel.POSTS) and not
+    # a verify step's acceptance (a block of 16), posting its result to the host (the engine's form) and not
     long = dict(dtype=torch.long)
     for mailbox in [(torch.zeros((), **long), torch.zeros(3, 18, **long)), None]:
         accept_kernel(torch.zeros(15, **long), torch.zeros(16, **long), torch.zeros(17, **long),
@@ -142,8 +142,8 @@ def model_kernels():
 
 if __name__ == "__main__":
     JITFunction.run = compile_instead
-    from deepflash.kernels import gemv as gemv_kernel
+    from deepflash.kernels import gemv
 
-    gemv_kernel._sms = lambda device: 132  # an H200's SMs: the projections' reductions split as there
+    gemv._sms = lambda device: 132  # an H200's SMs: the projections' reductions split as there
     {"rings": ring_kernels, "model": model_kernels}[sys.argv[1]]()
     print("\n".join(compiled))

@@ -52,7 +52,7 @@ def test_post_kernel_writes_what_the_torch_form_writes():
 
 @pytest.mark.parametrize("size", [3, 16])
 def test_accept_kernel_posts_what_the_post_after_it_would(size):
-    """The acceptance kernel with the mailbox (accept_kernel.POSTS) writes the step's slot and count as
+    """The acceptance kernel with the mailbox writes the step's slot and count as
     the torch acceptance followed by Mailbox.post does, over more steps than slots."""
     gen = torch.Generator().manual_seed(size)
     box = Mailbox(3, size + 1, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The greedy choice's kernel (argmax_kernel.py) returns torch's argmax, index for index (on the CPU in
+"""The greedy choice's kernel (kernels/argmax.py) returns torch's argmax, index for index (on the CPU in
 Triton's interpreter: helpers.triton_device)."""
 
 import pytest

@@ -2,6 +2,7 @@
 
 import argparse
 import platform
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from deepflash.bench.rings import parse_shape
 from deepflash.bench.rings import run as run_rings
 from deepflash.bench.speed import TORCH_KERNELS, plain_of, run_engine
 from deepflash.drafter.reach import copied_from_beyond, far_steps
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.sampling import SamplingParams
 from deepflash.errors import UserError
@@ -43,7 +45,7 @@ def test_accept_counts_only_its_timed_pass():
     """bench accept runs every prompt untimed first (graph captures and first kernel uses), then counts
     the second pass alone: its statistics are those of one pass."""
     target, tokenizer = tiny_target(), tiny_tokenizer()
-    engine = Engine(target, tokenizer, tiny_drafter(drafter_config(target.cfg)), spec="on", block_size=4)
+    engine = Engine(target, tokenizer, tiny_drafter(drafter_config(target.cfg)), config=EngineConfig(spec="on", block_size=4))
     prompts = [torch.randint(3, 60, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
     params = SamplingParams(max_new_tokens=12)
     once = [engine.complete(ids, SamplingParams(max_new_tokens=12, seed=i)) for i, ids in enumerate(prompts)]
@@ -73,7 +75,7 @@ def test_speed_splits_each_request_into_prefill_decode_and_the_rest():
     """bench speed times the second pass; each request's wall time holds its prefill and decode, and what
     is left over is reported, so that end-to-end rates can be read against decode rates."""
     target, tokenizer = tiny_target(), tiny_tokenizer()
-    engine = Engine(target, tokenizer, tiny_drafter(drafter_config(target.cfg)), spec="on", block_size=4)
+    engine = Engine(target, tokenizer, tiny_drafter(drafter_config(target.cfg)), config=EngineConfig(spec="on", block_size=4))
     prompts = [[5, 9, 22], [7, 8, 30, 31, 40]]
     out = run_engine(engine, prompts, 10, SamplingParams(max_new_tokens=10))
     per = out["per_prompt"]
@@ -149,10 +151,10 @@ def test_accept_keeps_its_finished_parts_when_a_later_one_fails(monkeypatch, tmp
     monkeypatch.setattr(accept, "depth_prompts", lambda tok, depth, n: [[5, 6, 7, 8]])
     monkeypatch.setattr(accept, "recall_prompts", lambda tok, depth, distance, n: [[5, 6, 7, 8, 9, 5, 6]])
 
-    def engine(*args, feature_dtype="f32", **kwargs):
-        if feature_dtype == "q8_0":
+    def engine(*args, config=EngineConfig()):
+        if config.feature_dtype == "q8_0":
             raise RuntimeError("a kernel failed to compile")
-        return Engine(*args, feature_dtype=feature_dtype, block_size=4, **kwargs)
+        return Engine(*args, config=replace(config, block_size=4))
 
     monkeypatch.setattr(accept, "Engine", engine)
     out = tmp_path / "accept.json"

@@ -66,15 +66,20 @@ def test_info_and_plan(capsys, model_dir, draft_dir):
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "2"], "top_p"),
     (["--max-ctx", "4"], "context holds 4"),
+    (["--max-ctx", "513"], "more than the model supports: 512 positions"),
+    (["--model", "NOT_GGUF"], "is not a readable GGUF file"),
     (["--block-size", "64", "--draft", "DRAFT"], "block-size"),
     (["--draft", "/no/such/drafter"], "no such drafter"),
     (["--device", "cuda:0"], "CUDA"),
 ])
-def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, message, monkeypatch):
+def test_user_errors_exit_2_with_one_line(capsys, model_dir, draft_dir, args, message, monkeypatch, tmp_path):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = [str(draft_dir) if a == "DRAFT" else a for a in args]
+    monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("a text file, so named")
+    args = [str(draft_dir) if a == "DRAFT" else str(not_gguf) if a == "NOT_GGUF" else a for a in args]
     if "--model" not in args:
         args += ["--model", str(model_dir)]
     code, out, err = run(capsys, "generate", "w5 w6 w7 w8 w9", "--raw", *args)
@@ -125,6 +130,13 @@ def test_training_settings_are_checked_before_the_target_loads(capsys, tmp_path)
     code, _, err = run(capsys, "train-drafter", "train", "--data", tmp_path, "--out", tmp_path / "run", "--steps", "1",
                        "--gamma", "0", "--model", "/no/such/model")
     assert code == 2 and "--gamma" in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_help_states_its_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 256)" in out and "(default: auto)" in out and "(default: 0.0)" in out
 
 
 def test_unsupported_architecture_exits_2(capsys, tmp_path):

@@ -5,7 +5,7 @@ from itertools import cycle
 
 import pytest
 
-from deepflash.engine.controller import SpecController
+from deepflash.engine.controller import Phase, SpecController
 from deepflash.engine.engine import PIPELINE_DEPTH
 
 
@@ -97,6 +97,25 @@ def test_a_probe_after_failures_opens_with_one_spec_step_alone_even_with_steps_q
         spec_at = [i for i, spec in enumerate(trace) if spec]
         assert len(spec_at) == 1 or spec_at[1] - spec_at[0] >= PIPELINE_DEPTH
         assert 1 <= len(spec_at) <= 1 + PIPELINE_DEPTH  # then judged (a queued spec step past the verdict)
+
+
+def test_phases_speculate_burst_probe_and_back():
+    """A failed verdict starts a burst of plain steps; its end a probe (one spec step alone, plain steps
+    until its verdict); a probe that does not fail speculates again, and a request that opens while backing
+    off opens with a probe."""
+    c = SpecController("auto", plain_costs={0: 1.0})
+    assert c.phase is Phase.SPECULATE
+    drive(c, 9, accepted_per_spec=1, t_plain=1.0, t_spec=2.0)  # the ninth spec step passes the tolerance
+    assert c.phase is Phase.BURST and c.plain_left == c.burst
+    assert not any(drive(c, c.burst, accepted_per_spec=1, t_plain=1.0, t_spec=2.0))
+    assert c.phase is Phase.PROBE
+    assert c.use_spec() and not c.use_spec() and not c.use_spec()  # one spec step alone, then plain
+    c.record_spec(8, 2.0)  # its verdict: well above break-even
+    c.record_plain(1.0)
+    c.record_plain(1.0)
+    assert c.phase is Phase.SPECULATE and c.failed_probes == 1 and c.use_spec()
+    c.new_request()
+    assert c.phase is Phase.PROBE
 
 
 def test_a_spec_step_queued_before_a_failed_verdict_is_not_the_next_probe():

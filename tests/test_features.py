@@ -2,34 +2,41 @@
 storage dtypes and windows much shorter than the prompt."""
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
+from deepflash.cli import build_parser
 from deepflash.drafter.features import FeatureReadError, FeatureRing, FeatureStore, drafter_window, storage_scale
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.memory import plan_memory
+from deepflash.engine.runtime import engine_config
 from deepflash.engine.sampling import SamplingParams
 from deepflash.errors import UserError
 from deepflash.kernels.row_formats import FORMATS, row_format
 
 
-@pytest.mark.parametrize("env,cap,want", [
-    (None, None, 8192),        # unset: the trained window
-    ("0", None, 8192),         # 0 means unset
-    ("-5", None, 8192),        # negative means unset
-    ("100000", None, 8192),    # above the trained window means unset
-    ("4096", None, 4096),      # the valve lowers it
-    ("4096", 2048, 2048),      # the flag wins over the environment
-    (None, 99999, 8192),
+@pytest.mark.parametrize("cap,want", [
+    (None, 8192),        # unset: the trained window
+    (0, 8192),           # 0 means unset
+    (-5, 8192),          # negative means unset
+    (100000, 8192),      # above the trained window means unset
+    (4096, 4096),        # the valve lowers it
 ])
-def test_window_rule(monkeypatch, env, cap, want):
+def test_window_rule(cap, want):
+    assert drafter_window(max_ctx=16384, trained_ctx=8192, cap=cap) == want
+
+
+@pytest.mark.parametrize("env,flag,want", [(None, None, None), ("4096", None, 4096), ("4096", "2048", 2048)])
+def test_the_valve_comes_from_the_flag_else_the_environment(monkeypatch, env, flag, want):
+    """--feat-ring-cap wins over DEEPFLASH_FEAT_RING_CAP; either lands in the one EngineConfig."""
     if env is not None:
         monkeypatch.setenv("DEEPFLASH_FEAT_RING_CAP", env)
-    assert drafter_window(max_ctx=16384, trained_ctx=8192, cap=cap) == want
+    argv = ["generate", "hi"] + (["--feat-ring-cap", flag] if flag else [])
+    assert engine_config(build_parser().parse_args(argv)).feat_ring_cap == want
 
 
 def test_window_is_clamped_by_max_ctx_and_trained_ctx():
@@ -41,7 +48,7 @@ def test_window_is_clamped_by_max_ctx_and_trained_ctx():
 def test_bad_valve_value_is_a_user_error(monkeypatch):
     monkeypatch.setenv("DEEPFLASH_FEAT_RING_CAP", "lots")
     with pytest.raises(UserError, match="DEEPFLASH_FEAT_RING_CAP"):
-        drafter_window(100, 100)
+        engine_config(build_parser().parse_args(["generate", "hi"]))
 
 
 def test_trained_window_from_config_and_override():
@@ -52,8 +59,8 @@ def test_trained_window_from_config_and_override():
     assert drafter_config(target.cfg).trained_context_length == target.cfg.max_position_embeddings
     drafter = tiny_drafter(cfg)
     assert Engine(target, tiny_tokenizer(), drafter).window == 64
-    assert Engine(target, tiny_tokenizer(), drafter, trained_ctx=32).window == 32
-    assert Engine(target, tiny_tokenizer(), drafter, trained_ctx=32, feat_ring_cap=20).window == 20
+    assert Engine(target, tiny_tokenizer(), drafter, config=EngineConfig(trained_ctx=32)).window == 32
+    assert Engine(target, tiny_tokenizer(), drafter, config=EngineConfig(trained_ctx=32, feat_ring_cap=20)).window == 20
 
 
 def encoded(positions: range, width: int) -> torch.Tensor:
@@ -118,23 +125,6 @@ def test_writes_never_touch_neighbouring_rows(fmt):
     assert changed.tolist() == [False, False, False, True, True, False, False, False]
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="torch.compile on the CPU needs a C++ compiler")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-def test_compiled_ring_stores_and_decodes_the_same_bytes(fmt):
-    """The fused (torch.compile) ring kernels, `--ring-kernels compile`, are byte-identical to the eager
-    ones, for runs of any length, wrapping included."""
-    eager, fused = (FeatureRing(8, 64, row_format(fmt), "cpu", kernels=k) for k in ("torch", "compile"))
-    end = 0
-    for n in [5, 1, 11, 3]:
-        rows = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) * 10
-        for ring in (eager, fused):
-            ring.write(torch.arange(end, end + n), rows)
-        end += n
-        assert torch.equal(eager.data, fused.data) and torch.equal(eager.tags, fused.tags)
-        assert torch.equal(eager.read(end - 4, 4), fused.read(end - 4, 4))
-
-
 def test_mirror_is_the_ring_when_bytes_would_be_identical():
     same = FeatureStore(16, 64, "f32", torch.float32, "cpu", "cpu")
     assert same.mirror is same.ring
@@ -182,8 +172,8 @@ def test_scaled_block_storage_keeps_what_fc_reads(fmt, gain):
 def test_memory_plan_counts_the_feature_stores_bytes(fmt):
     target = tiny_target(dtype=torch.float32)
     drafter = tiny_drafter(drafter_config(target.cfg, sliding=True, window=5), dtype=torch.float32)
-    engine = Engine(target, tiny_tokenizer(), drafter, feature_dtype=fmt, max_ctx=64)
-    parts = plan_memory(target, drafter, 64, feature_dtype=fmt).parts
+    engine = Engine(target, tiny_tokenizer(), drafter, config=EngineConfig(feature_dtype=fmt, max_ctx=64))
+    parts = plan_memory(target, drafter, 64, EngineConfig(feature_dtype=fmt)).parts
     assert parts["target feature ring"] + parts["drafter mirror"] == engine.steps.features.nbytes
     assert parts["drafter context K/V"] == engine.steps.context.nbytes
 
@@ -197,7 +187,7 @@ def test_contract_holds_for_every_dtype_and_short_windows(fmt, window):
     prompt = torch.randint(5, 90, (40,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(max_new_tokens=24)
     tok = tiny_tokenizer()
-    engine = Engine(target, tok, drafter, feature_dtype=fmt, feat_ring_cap=window, spec="on", block_size=5)
+    engine = Engine(target, tok, drafter, config=EngineConfig(feature_dtype=fmt, feat_ring_cap=window, spec="on", block_size=5))
     assert engine.window == (window or target.cfg.max_position_embeddings)
     assert engine.complete(prompt, params).token_ids == Engine(target, tok).complete(prompt, params).token_ids
 

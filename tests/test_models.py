@@ -7,11 +7,12 @@ import pytest
 import torch
 from helpers import check_left_padded_batch, drafter_config, llama_config, tiny_drafter, tiny_tokenizer
 
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.sampling import SamplingParams
-from deepflash.kernels import gemv as gemv_kernel
+from deepflash.kernels.config import SHIPPED
 from deepflash.loading.targets import build_from_state
-from deepflash.models import layers, random_model
+from deepflash.models import random_model
 from deepflash.models.config import ModelConfig, RopeConfig
 from deepflash.models.layers import RMSNorm, rope_frequencies
 
@@ -96,7 +97,7 @@ def test_steps_on_the_triton_kernels_build_no_mask_tensor():
     _, ours = hf_pair("llama")
     step = torch.arange(40, 56)
     assert isinstance(ours.attention_mask(step, 64, None, torch.float32), torch.Tensor)  # torch's kernels
-    ours.kernels = "triton"  # as use_kernels("triton") sets it (Triton itself is not needed to choose)
+    ours.kernels = SHIPPED  # as use_kernels("triton") sets it (Triton itself is not needed to choose)
     assert ours.attention_mask(step, 64, None, torch.float32) is DECODE
     assert ours.attention_mask(torch.tensor([40]), 256, None, torch.float32) is DECODE
     assert ours.attention_mask(torch.arange(16), 16, None, torch.float32) == CAUSAL  # a first prefill chunk
@@ -211,14 +212,14 @@ def test_auto_target_kernels_pick_torch_off_cuda_and_refuse_unknown_kinds():
 
     assert LlamaModel.auto_kernels == "triton" and TargetModel.auto_kernels == "torch"
     target = random_model(llama_config(), "cpu", torch.float32).use_kernels("auto")
-    assert {m.kernels for m in target.modules() if hasattr(m, "kernels")} == {"torch"}
+    assert {m.kernels for m in target.modules() if hasattr(m, "kernels")} == {None}  # torch's forms
     with pytest.raises(UserError, match="target kernels must be one of"):
         target.use_kernels("cuda")
 
 
 @pytest.mark.parametrize("capture", [(0, 2), (0, 1), (1,)])
 def test_features_reach_on_features_once_before_the_head(capture):
-    """forward hands the tap features to on_features once, before the head runs (spec.Steps.verify
+    """forward hands the tap features to on_features once, before the head runs (steps.Steps.verify
     commits them beside the target's last layers), equal to the features it returns."""
     model = random_model(llama_config(num_hidden_layers=3), "cpu", torch.float32, std=0.2)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -257,11 +258,10 @@ def test_checkpoint_tensors_that_fusion_replaces_are_freed_while_building():
     assert model.model.layers[0].self_attn.qkv[0].shape[0] == 128
 
 
-@pytest.fixture
-def transposed_weights(monkeypatch):
-    """layers.gemm_layout on the CPU too, for every weight over 1 KiB (on CUDA: over gemv_kernel.MAX_WEIGHT_BYTES)."""
-    monkeypatch.setattr(layers, "COLUMN_MAJOR_DEVICES", ("cpu",))
-    monkeypatch.setattr(gemv_kernel, "MAX_WEIGHT_BYTES", 1024)
+def over_a_kib(weight: torch.Tensor) -> bool:
+    """layers.gemm_layout's rule for these tests: on the CPU too, every weight over 1 KiB (the engine's,
+    read_by_torch_gemm: on CUDA, over the projection kernels' max_weight_bytes)."""
+    return weight.numel() * weight.element_size() > 1024
 
 
 def column_major(weight: torch.Tensor) -> bool:
@@ -269,8 +269,9 @@ def column_major(weight: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
-def test_large_weights_stored_transposed_keep_the_logits(transposed_weights, kind):
+def test_large_weights_stored_transposed_keep_the_logits(kind):
     hf, ours = hf_pair(kind)
+    ours.fuse_projections(over_a_kib)
     attention, mlp = ours.model.layers[0].self_attn, ours.model.layers[0].mlp
     assert column_major(attention.qkv[0]) and column_major(attention.o_proj.weight)
     # the linears stay views into the fused weight: nothing is stored twice
@@ -288,11 +289,12 @@ def test_large_weights_stored_transposed_keep_the_logits(transposed_weights, kin
     assert column_major(moved.qkv[0]) and column_major(moved.o_proj.weight)
 
 
-def test_greedy_speculative_equals_plain_with_weights_stored_transposed(transposed_weights):
+def test_greedy_speculative_equals_plain_with_weights_stored_transposed():
     target = random_model(llama_config(tie_word_embeddings=False), dtype=torch.float64, std=0.2)
+    target.fuse_projections(over_a_kib)
     assert column_major(target.model.layers[0].self_attn.qkv[0]) and column_major(target.lm_head.weight)
-    drafter = tiny_drafter(drafter_config(target.cfg))
+    drafter = tiny_drafter(drafter_config(target.cfg)).fuse_projections(over_a_kib)
     tokenizer, params = tiny_tokenizer(), SamplingParams(max_new_tokens=30)
     ids = torch.randint(5, 90, (11,), generator=torch.Generator().manual_seed(3)).tolist()
-    spec = Engine(target, tokenizer, drafter, spec="on").complete(ids, params)
+    spec = Engine(target, tokenizer, drafter, config=EngineConfig(spec="on")).complete(ids, params)
     assert spec.token_ids == Engine(target, tokenizer).complete(ids, params).token_ids

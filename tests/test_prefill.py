@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.graphs import prefill_pieces
 from deepflash.engine.sampling import SamplingParams
@@ -37,7 +38,7 @@ def test_pieces_of_the_benchmark_prompts():
 @pytest.mark.parametrize("n", [1, 5, 8, 13, 21, 40])
 def test_pieces_leave_what_one_forward_leaves(n):
     drafter = tiny_drafter(drafter_config(TARGET.cfg))
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="on", prefill_chunk=8)
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on", prefill_chunk=8))
     ids = torch.randint(5, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     engine.complete(ids, SamplingParams(max_new_tokens=1))  # the prefill alone: no decode step runs
 
@@ -52,4 +53,4 @@ def test_pieces_leave_what_one_forward_leaves(n):
 
 def test_prefill_chunk_must_be_a_power_of_two():
     with pytest.raises(UserError, match="power of two"):
-        Engine(TARGET, TOKENIZER, prefill_chunk=1000)
+        Engine(TARGET, TOKENIZER, config=EngineConfig(prefill_chunk=1000))

@@ -1,4 +1,4 @@
-"""The Triton ring kernels (ring_kernels.py) store and decode the same bytes as quant.py's torch forms
+"""The Triton ring kernels (kernels/rings.py) store and decode the same bytes as kernels/row_formats.py's torch forms
 (on the CPU in Triton's interpreter: helpers.triton_device)."""
 
 import pytest
@@ -6,6 +6,7 @@ import torch
 from helpers import triton_device
 
 from deepflash.drafter.features import FeatureRing, FeatureStore
+from deepflash.engine.config import EngineConfig
 from deepflash.kernels.row_formats import FORMATS
 
 DEVICE = triton_device()
@@ -73,8 +74,7 @@ def test_engine_with_triton_rings_keeps_the_greedy_contract(feature_dtype):
     tokenizer = tiny_tokenizer()
     ids = torch.randint(5, 90, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_new_tokens=24)
-    spec = Engine(target, tokenizer, drafter, spec="on", feature_dtype=feature_dtype, feat_ring_cap=16,
-                  ring_kernels="triton").complete(ids, params)
+    spec = Engine(target, tokenizer, drafter, config=EngineConfig(spec="on", feature_dtype=feature_dtype, feat_ring_cap=16, ring_kernels="triton")).complete(ids, params)
     assert spec.token_ids == Engine(target, tokenizer).complete(ids, params).token_ids
 
 
@@ -84,16 +84,16 @@ def test_every_program_shape_stores_the_same_bytes(shape, scaled):
     """bench rings --triton-shapes times other shapes: they must store the same bytes, also where the
     last program's rows run past the rows written (3 rows: a program takes 1, 4 or 5), with the scale
     loaded once per program for all its rows."""
-    from deepflash.kernels import rings as ring_kernels
+    from deepflash.kernels.config import Shape
 
     scale = torch.exp2(torch.arange(2880) % 7 - 3.0).to(DEVICE) if scaled else None
     for fmt in ("f16", "q8_0", "q4_0"):
         rows = awkward_rows(3, 2880)
-        torch_ring, triton_ring = (FeatureRing(4, 2880, FORMATS[fmt], DEVICE, kernels=k, channel_scale=scale)
+        torch_ring, triton_ring = (FeatureRing(4, 2880, FORMATS[fmt], DEVICE, kernels=k, channel_scale=scale,
+                                               shape=Shape(*shape) if k == "triton" else None)
                                    for k in ("torch", "triton"))
         torch_ring.write(torch.arange(3, device=DEVICE), rows)
-        with ring_kernels.shape_override(ring_kernels.Shape(*shape)):
-            triton_ring.write(torch.arange(3, device=DEVICE), rows)
-            assert torch.equal(torch_ring.tags, triton_ring.tags)
-            assert torch.equal(torch_ring.data, triton_ring.data)
-            assert torch.equal(torch_ring.read(0, 3), triton_ring.read(0, 3))
+        triton_ring.write(torch.arange(3, device=DEVICE), rows)
+        assert torch.equal(torch_ring.tags, triton_ring.tags)
+        assert torch.equal(torch_ring.data, triton_ring.data)
+        assert torch.equal(torch_ring.read(0, 3), triton_ring.read(0, 3))

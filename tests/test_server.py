@@ -16,6 +16,7 @@ import uvicorn
 from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 
 from deepflash.cli import build_parser
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine, Result
 from deepflash.engine.sampling import SamplingParams
 from deepflash.server.app import create_app
@@ -27,7 +28,7 @@ MODEL = "tiny"
 
 
 def spec_engine() -> Engine:
-    return Engine(TARGET, TOKENIZER, DRAFTER, spec="on")
+    return Engine(TARGET, TOKENIZER, DRAFTER, config=EngineConfig(spec="on"))
 
 
 def reference(prompt: str, **params) -> Result:
@@ -50,12 +51,12 @@ class Probe:
         self.started: list[list[int]] = []
         self.runs: list[tuple[int, bool]] = []  # (chunks yielded, ran to the end) per finished generation
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, cancelled=None):
         self.started.append(prompt_ids)
         self.gate.wait()
         yielded, completed = 0, False
         try:
-            for chunk in self._generate(prompt_ids, params):
+            for chunk in self._generate(prompt_ids, params, cancelled):
                 if yielded == 1 and prompt_ids == self.fail_on:
                     raise RuntimeError("injected failure")
                 time.sleep(self.step_delay)
@@ -361,6 +362,29 @@ def test_disconnect_while_waiting_cancels_the_generation():
         wait_for(lambda: probe.runs, timeout=2)
         chunks, completed = probe.runs[0]
         assert not completed and chunks < 50
+        wait_for(lambda: metric(url, 'deepflash_requests_total{endpoint="/v1/chat/completions",status="499"}') == 1)
+
+
+def test_disconnect_during_a_long_prefill_frees_the_engine_within_a_second():
+    """The engine asks the job between prefill pieces: a client that leaves while its long prompt is still
+    being prefilled (16 pieces of 0.2 s here) frees the engine within a second, not at the prefill's end."""
+    engine = Engine(TARGET, TOKENIZER, DRAFTER, config=EngineConfig(spec="on", prefill_chunk=4))
+    probe = Probe(engine)
+    prefill, pieces = engine.steps.prefill, []
+
+    def slow_prefill(*args):
+        pieces.append(time.monotonic())
+        time.sleep(0.2)
+        prefill(*args)
+
+    engine.steps.prefill = slow_prefill
+    prompt = " ".join(f"w{5 + i % 50}" for i in range(60))
+    with serving(engine) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=chat_body(prompt, max_tokens=8), timeout=0.3)
+        left = time.monotonic()
+        wait_for(lambda: probe.runs, timeout=1.0)
+        assert probe.runs == [(0, False)] and time.monotonic() - left < 1.0 and len(pieces) < 10
         wait_for(lambda: metric(url, 'deepflash_requests_total{endpoint="/v1/chat/completions",status="499"}') == 1)
 
 

@@ -9,6 +9,7 @@ import torch
 from helpers import EOS, drafter_config, oracle, tiny_drafter, tiny_target, tiny_tokenizer
 
 from deepflash.drafter.context import DrafterContext
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.sampling import SamplingParams
 from deepflash.engine.stats import PhaseTimer
@@ -32,7 +33,7 @@ def test_random_drafter_matches_plain(block, length, sliding):
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=sliding, window=6))
     ids = prompt(length, seed=length)
     params = SamplingParams(max_new_tokens=30)
-    spec = Engine(TARGET, TOKENIZER, drafter, block_size=block, spec="on").complete(ids, params)
+    spec = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(block_size=block, spec="on")).complete(ids, params)
     ref = plain(ids, params)
     assert spec.token_ids == ref.token_ids and spec.text == ref.text
     assert spec.finish_reason == ref.finish_reason
@@ -47,7 +48,7 @@ def test_long_accepted_runs_end_exactly(monkeypatch, wrong_every, max_new):
     ref_long = plain(ids, SamplingParams(max_new_tokens=60)).token_ids
     oracle(monkeypatch, ref_long, len(ids), wrong_every)
     params = SamplingParams(max_new_tokens=max_new)
-    out = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
+    out = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on")).complete(ids, params)
     assert out.token_ids == plain(ids, params).token_ids
     if wrong_every == 0 and max_new > 16:
         assert out.spec.histogram[-1] > 0  # whole blocks were accepted
@@ -63,12 +64,12 @@ def test_stop_token_and_string_inside_a_block(monkeypatch):
     stop_token = ref.token_ids[13]
     cases = [SamplingParams(max_new_tokens=60, stop=(stop_string,))]
     for params in cases:
-        out = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
+        out = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on")).complete(ids, params)
         want = plain(ids, params)
         assert out.text == want.text and out.token_ids == want.token_ids and out.finish_reason == "stop"
         assert stop_string not in out.text
     # a model whose end token appears mid-block
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="on")
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on"))
     engine.stop_ids = frozenset({stop_token, EOS})
     out = engine.complete(ids, SamplingParams(max_new_tokens=60))
     base = Engine(TARGET, TOKENIZER)
@@ -85,7 +86,7 @@ def test_no_step_is_queued_after_a_stop_token(use_drafter):
     ids = prompt(9)
     stop_token = plain(ids, SamplingParams(max_new_tokens=60)).token_ids[13]
     drafter = tiny_drafter(drafter_config(TARGET.cfg)) if use_drafter else None
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="on")
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on"))
     engine.stop_ids = frozenset({stop_token, EOS})
     out = engine.complete(ids, SamplingParams(max_new_tokens=60))
     assert out.token_ids[-1] == stop_token and out.finish_reason == "stop"
@@ -112,8 +113,8 @@ def test_context_limit_inside_a_block(monkeypatch):
     ref = plain(ids, SamplingParams(max_new_tokens=60)).token_ids
     oracle(monkeypatch, ref, len(ids))
     params = SamplingParams(max_new_tokens=60)
-    out = Engine(TARGET, TOKENIZER, drafter, spec="on", max_ctx=31).complete(ids, params)
-    want = Engine(TARGET, TOKENIZER, max_ctx=31).complete(ids, params)
+    out = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on", max_ctx=31)).complete(ids, params)
+    want = Engine(TARGET, TOKENIZER, config=EngineConfig(max_ctx=31)).complete(ids, params)
     assert out.token_ids == want.token_ids and len(ids) + len(out.token_ids) == 31
     assert out.finish_reason == want.finish_reason == "length"
 
@@ -124,7 +125,7 @@ def test_sampled_speculative_equals_sampled_plain():
     ids = prompt(12)
     for seed in range(3):
         params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=seed, max_new_tokens=25)
-        spec = Engine(TARGET, TOKENIZER, drafter, spec="on").complete(ids, params)
+        spec = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on")).complete(ids, params)
         assert spec.token_ids == plain(ids, params).token_ids
 
 
@@ -136,7 +137,7 @@ def test_steps_have_no_host_syncs():
     from deepflash.engine.sampling import SamplingParams
 
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=6))
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="on", block_size=8, feature_dtype="q4_0")
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on", block_size=8, feature_dtype="q4_0"))
     params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=1, max_new_tokens=5).validated()
     engine.complete(prompt(10), params)
     steps = engine.steps
@@ -154,7 +155,7 @@ def test_auto_mode_stops_speculating_with_a_useless_drafter():
     drafter = tiny_drafter(drafter_config(TARGET.cfg))
     ids = prompt(10)
     params = SamplingParams(max_new_tokens=60)
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="auto")
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="auto"))
     # the verdict's steps are tolerance / (break-even - 1), and the CPU's cost ratio (hence break-even)
     # drops when other work loads the machine: 16 spec steps of 60 at the default tolerance of 8
     engine.controller.tolerance = 1.0
@@ -174,7 +175,7 @@ def test_steps_delayed_by_a_graph_capture_are_recorded_without_a_time(monkeypatc
     untimed, so the controller never learns a step cost from one (the CPU has no graphs: captures are
     simulated by the first run of each graph key)."""
     drafter = tiny_drafter(drafter_config(TARGET.cfg))
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="auto", block_size=8)
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="auto", block_size=8))
     seen, run = set(), engine.graphs.run
 
     def run_capturing_first(key, fn):
@@ -203,7 +204,7 @@ def test_steps_delayed_by_a_graph_capture_are_recorded_without_a_time(monkeypatc
 def test_a_spec_step_that_catches_the_drafter_up_is_recorded_without_a_time(monkeypatch):
     """Its time includes the drafter's K/V of the plain steps before it: switching work, which counted as
     a spec step's cost turned paying drafters off (controller.py). Other spec steps keep their time."""
-    engine = Engine(TARGET, TOKENIZER, tiny_drafter(drafter_config(TARGET.cfg)), spec="auto", block_size=8)
+    engine = Engine(TARGET, TOKENIZER, tiny_drafter(drafter_config(TARGET.cfg)), config=EngineConfig(spec="auto", block_size=8))
     pattern = itertools.cycle([True, False, False, True, True])
     monkeypatch.setattr(engine.controller, "use_spec", lambda region: next(pattern))
     recorded = []
@@ -225,7 +226,7 @@ def test_drafting_after_plain_steps_sees_what_a_rebuild_from_the_mirror_sees(mon
     draft, each position the drafter may see has the K/V a rebuild from the mirror gives it, no position
     lies past the span the draft attends over, and the output still equals plain decoding."""
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=4))
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="auto", feat_ring_cap=cap)
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="auto", feat_ring_cap=cap))
     pattern = iter([True, False, False, False, True, True, False, False] * 20)
     monkeypatch.setattr(engine.controller, "use_spec", lambda region: next(pattern))
     steps, draft, checked = engine.steps, engine.steps.draft, []
@@ -259,7 +260,7 @@ def test_blocks_stay_full_size_to_the_end_of_the_output(monkeypatch):
     """Each block size is its own CUDA graph (and cuBLAS workspace): a request's last blocks must not
     shrink to the tokens still wanted; only the end of the context may shorten one."""
     drafter = tiny_drafter(drafter_config(TARGET.cfg))
-    engine = Engine(TARGET, TOKENIZER, drafter, spec="on", block_size=8, max_ctx=64)
+    engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on", block_size=8, max_ctx=64))
     keys = []
     run = engine.graphs.run
     monkeypatch.setattr(engine.graphs, "run", lambda key, fn: keys.append(key) or run(key, fn))
@@ -271,6 +272,6 @@ def test_blocks_stay_full_size_to_the_end_of_the_output(monkeypatch):
     long = prompt(50, seed=5)  # 13 positions of context left: the last block is cut by the cache's end
     params = SamplingParams(max_new_tokens=20)
     out = engine.complete(long, params)
-    assert out.token_ids == Engine(TARGET, TOKENIZER, max_ctx=64).complete(long, params).token_ids
+    assert out.token_ids == Engine(TARGET, TOKENIZER, config=EngineConfig(max_ctx=64)).complete(long, params).token_ids
     assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50
     assert min(key[1] for key in keys if key[0] == "spec") < 8

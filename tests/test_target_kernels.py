@@ -1,4 +1,4 @@
-"""The target's Triton kernels (models/rope_kernel.py, decode_kernel.py, layer_kernels.py) compute what
+"""The target's Triton kernels (kernels/rope.py, kernels/attention.py, kernels/layer_ops.py) compute what
 the torch forms do (on the CPU in Triton's interpreter: helpers.triton_device)."""
 
 from collections import Counter
@@ -8,6 +8,7 @@ import torch
 from helpers import llama_config, triton_device
 from torch.overrides import TorchFunctionMode
 
+from deepflash.engine.config import EngineConfig
 from deepflash.models import random_model
 
 DEVICE = triton_device()
@@ -16,17 +17,16 @@ DEVICE = triton_device()
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 @pytest.mark.parametrize("rope_tokens", [1, 4])
-def test_triton_kernels_match_torch_in_the_model(qk_norm, partial, rope_tokens, monkeypatch):
+def test_triton_kernels_match_torch_in_the_model(qk_norm, partial, rope_tokens):
     """Prefill then decode steps with the kernels on and off: same logits, the same features at a middle
     tap (read from the next norm's kernel: layers.tap) and the last, and the same cache rows."""
-    from deepflash.kernels import rope as rope_kernel
+    from deepflash.kernels.config import KernelConfig
 
-    monkeypatch.setattr(rope_kernel, "TOKENS", rope_tokens)  # 12 prefill tokens: three full tiles of 4
     cfg = llama_config(model_type="qwen3" if qk_norm else "llama", partial_rotary_factor=partial,
                        num_hidden_layers=3)
     assert cfg.qk_norm == qk_norm
     models = [random_model(cfg, DEVICE, torch.float32, std=0.2) for _ in range(2)]
-    models[1].use_kernels("triton")
+    models[1].use_kernels("triton", KernelConfig(rope_tokens=rope_tokens))  # 12 prefill tokens: three tiles of 4
     caches = [m.new_cache(2, 32) for m in models]
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     outs = [m(ids, torch.arange(12, device=DEVICE), c, 12, capture=(0, 2)) for m, c in zip(models, caches)]
@@ -106,7 +106,7 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
     narrow, middle, wide = (CHUNK * tile for tile in MERGE_TILES)  # the keys of each merge tile width
     kv_heads, groups, dim, slots = 1, 3, 16, wide * 2 + 64  # spans of one and of several widest tiles
     k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    # tiles of decode_kernel.ROWS query rows start at multiples of 4 positions (3 heads padded to 4):
+    # tiles of attention.ROWS query rows start at multiples of 4 positions (3 heads padded to 4):
     # blocks across 5 tiles (16 tokens from 5) and part-filled ones (7 from 37); blocks whose rows take
     # two merge tile widths
     for first, tokens, span in [(5, 16, 32), (37, 7, 64), (narrow - 8, 16, narrow + 64), (middle - 3, 6, middle + 40),
@@ -120,12 +120,11 @@ def test_a_verified_token_is_computed_exactly_as_a_decoded_one(dtype):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_a_rope_tile_computes_each_token_alone(qk_norm, monkeypatch):
+def test_a_rope_tile_computes_each_token_alone(qk_norm):
     """rope_and_write over 7 tokens in tiles of 4 (one part-filled) writes, bit for bit, what 7 one-token
     calls write: q, and k and v at their cache slots (a verify step's tokens as decode steps')."""
-    from deepflash.kernels import rope as rope_kernel
+    from deepflash.kernels.rope import rope_and_write
 
-    monkeypatch.setattr(rope_kernel, "TOKENS", 4)
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, tokens, slots = 3, 1, 16, 7, 32
     qkv = torch.randn(2, tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, torch.bfloat16)
@@ -133,11 +132,10 @@ def test_a_rope_tile_computes_each_token_alone(qk_norm, monkeypatch):
     positions = torch.arange(9, 9 + tokens, device=DEVICE)
     gains = [torch.randn(dim, generator=gen).to(DEVICE, torch.bfloat16) if qk_norm else None for _ in range(2)]
     caches = [torch.zeros(2, kv_heads, slots, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
-    block = rope_kernel.rope_and_write(qkv, cos, sin, positions, caches[0], caches[1], heads, kv_heads, *gains, 1e-6)
+    block = rope_and_write(qkv, cos, sin, positions, caches[0], caches[1], heads, kv_heads, *gains, 1e-6, tokens=4)
     for i in range(tokens):
-        alone = rope_kernel.rope_and_write(qkv[:, i : i + 1].contiguous(), cos[i : i + 1], sin[i : i + 1],
-                                           positions[i : i + 1], caches[2], caches[3], heads, kv_heads, *gains,
-                                           1e-6)
+        alone = rope_and_write(qkv[:, i : i + 1].contiguous(), cos[i : i + 1], sin[i : i + 1], positions[i : i + 1],
+                               caches[2], caches[3], heads, kv_heads, *gains, 1e-6, tokens=4)
         assert torch.equal(block[:, :, i : i + 1], alone), i
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0][:, :, 9 : 9 + tokens].abs().sum() > 0
@@ -160,31 +158,29 @@ def projection_inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
 WAVES = [0, 3, 64]
 
 
-def tile_projections(monkeypatch, waves: int, tiling: str):
-    """gemv_kernel's split at `waves`; "large": the tests' weights take LARGE_CONFIGS' path, a 32x32 weight-first
-    tiling with the tiles through TMA where the GPU has it (a dependent launch on Hopper)."""
-    from deepflash.kernels import gemv as gemv_kernel
+def tiling_of(waves: int, kind: str):
+    """The projections' split at `waves`; "large": the tests' weights take the large weights' path, a 32x32
+    weight-first tiling with the tiles through TMA where the GPU has it (a dependent launch on Hopper)."""
+    from deepflash.kernels.config import ProjectionTiling
 
-    monkeypatch.setattr(gemv_kernel, "WAVES", waves)
-    if tiling == "large":
-        monkeypatch.setattr(gemv_kernel, "SMALL_WEIGHT_BYTES", 0)
-        monkeypatch.setattr(gemv_kernel, "LARGE_CONFIGS", ((None, None, (32, 32, 4, 2, True, 1, True)),))
+    if kind == "large":
+        return ProjectionTiling(waves=waves, small_weight_bytes=0, large=((None, None, (32, 32, 4, 2, True, 1, True)),))
+    return ProjectionTiling(waves=waves)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("waves", WAVES)
 @pytest.mark.parametrize("tiling", ["small", "large"])
-def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, tiling, monkeypatch):
-    """gemv_kernel's add + norm + projection and silu * up + projection against layer_kernels' separate
+def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype, waves, tiling):
+    """gemv.py's add + norm + projection and silu * up + projection against layer_ops.py's separate
     kernels and a float32 GEMM on their output, and its projection without a prologue against the GEMM,
     with the reduction whole or split, in the small and the large weights' tilings; the sum is written where
     it is asked for."""
-    from deepflash.kernels import gemv as gemv_kernel
-    from deepflash.kernels.gemv import norm_linear, silu_linear
+    from deepflash.kernels import gemv
     from deepflash.kernels.layer_ops import add_rms_norm, silu_mul
 
-    tile_projections(monkeypatch, waves, tiling)
+    tiled = dict(tiling=tiling_of(waves, tiling))
     a = projection_inputs(rows, dtype)
 
     def linear(h, bias=None):
@@ -192,35 +188,35 @@ def test_projections_with_their_prologue_match_the_separate_kernels(rows, dtype,
 
     close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=4e-2)  # bf16 rounding
     total = torch.full_like(a["x"], float("nan"))
-    summed, out = norm_linear(a["x"], a["delta"], a["gain"], 1e-6, a["weight"], a["bias"], total)
+    summed, out = gemv.norm_linear(a["x"], a["delta"], a["gain"], 1e-6, a["weight"], a["bias"], total, **tiled)
     want_sum, normed = add_rms_norm(a["x"], a["delta"], a["gain"], 1e-6)
     assert summed is total and torch.equal(total, want_sum)
     torch.testing.assert_close(out.float(), linear(normed, a["bias"]), **close)
-    summed, out = norm_linear(a["x"], None, a["gain"], 1e-6, a["weight"])
+    summed, out = gemv.norm_linear(a["x"], None, a["gain"], 1e-6, a["weight"], **tiled)
     assert summed is a["x"]
     torch.testing.assert_close(out.float(), linear(add_rms_norm(a["x"], None, a["gain"], 1e-6)[1]), **close)
-    torch.testing.assert_close(silu_linear(a["gate_up"], a["weight"]).float(), linear(silu_mul(a["gate_up"])), **close)
-    torch.testing.assert_close(gemv_kernel.linear(a["x"], a["weight"], a["bias"]).float(), linear(a["x"], a["bias"]),
-                               **close)
+    torch.testing.assert_close(gemv.silu_linear(a["gate_up"], a["weight"], **tiled).float(),
+                               linear(silu_mul(a["gate_up"])), **close)
+    torch.testing.assert_close(gemv.linear(a["x"], a["weight"], a["bias"], **tiled).float(),
+                               linear(a["x"], a["bias"]), **close)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("waves", WAVES)
 @pytest.mark.parametrize("tiling", ["small", "large"])
-def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, tiling, monkeypatch):
+def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, tiling):
     """Each row of a 16-row projection equals, bit for bit, the same row projected alone or among 5: a
     verify step's projections compute each token exactly as a one-token decode step's, whole or split, in
     the small and the large weights' tilings."""
-    from deepflash.kernels import gemv as gemv_kernel
-    from deepflash.kernels.gemv import norm_linear, silu_linear
+    from deepflash.kernels import gemv
 
-    tile_projections(monkeypatch, waves, tiling)
-
+    tiled = dict(tiling=tiling_of(waves, tiling))
     a = projection_inputs(16, dtype, seed=3)
-    calls = {"add + norm": lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
-             "norm": lambda sl: norm_linear(a["x"][sl], None, a["gain"], 1e-6, a["weight"])[1],
-             "silu": lambda sl: silu_linear(a["gate_up"][sl], a["weight"]),
-             "plain": lambda sl: gemv_kernel.linear(a["x"][sl], a["weight"], a["bias"])}
+    calls = {"add + norm": lambda sl: gemv.norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"],
+                                                       a["bias"], **tiled)[1],
+             "norm": lambda sl: gemv.norm_linear(a["x"][sl], None, a["gain"], 1e-6, a["weight"], **tiled)[1],
+             "silu": lambda sl: gemv.silu_linear(a["gate_up"][sl], a["weight"], **tiled),
+             "plain": lambda sl: gemv.linear(a["x"][sl], a["weight"], a["bias"], **tiled)}
     for name, call in calls.items():
         block = call(slice(0, 16))
         assert torch.equal(call(slice(4, 9)), block[4:9]), name
@@ -229,37 +225,35 @@ def test_a_projected_row_does_not_depend_on_the_other_rows(dtype, waves, tiling,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_unrolled_reduction_adds_the_same_sums(dtype, monkeypatch):
-    """gemv_kernel.UNROLL_FROM changes only how the last slice's loop over the parked sums is compiled: a
-    split projection gives the same bits rolled and unrolled, at 1 row and at 16."""
-    from deepflash.kernels import gemv as gemv_kernel
-    from deepflash.kernels.gemv import norm_linear, silu_linear
+def test_an_unrolled_reduction_adds_the_same_sums(dtype):
+    """ProjectionTiling.unroll_from changes only how the last slice's loop over the parked sums is compiled:
+    a split projection gives the same bits rolled and unrolled, at 1 row and at 16."""
+    from deepflash.kernels import gemv
+    from deepflash.kernels.config import ProjectionTiling
 
-    monkeypatch.setattr(gemv_kernel, "WAVES", 64)  # the most slices the tests' reductions split into
     a = projection_inputs(16, dtype, seed=5)
     outputs = {}
     for unroll in (None, 2):
-        monkeypatch.setattr(gemv_kernel, "UNROLL_FROM", unroll)
+        tiling = ProjectionTiling(waves=64, unroll_from=unroll)  # 64: the most slices the tests' reductions take
         outputs[unroll] = [call(sl) for sl in (slice(0, 1), slice(0, 16)) for call in (
-            lambda sl: norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"])[1],
-            lambda sl: silu_linear(a["gate_up"][sl], a["weight"]))]
+            lambda sl: gemv.norm_linear(a["x"][sl], a["delta"][sl], a["gain"], 1e-6, a["weight"], a["bias"],
+                                        tiling=tiling)[1],
+            lambda sl: gemv.silu_linear(a["gate_up"][sl], a["weight"], tiling=tiling))]
     assert all(torch.equal(rolled, unrolled) for rolled, unrolled in zip(outputs[None], outputs[2]))
 
 
-def test_large_projections_split_into_one_round_of_programs(monkeypatch):
-    """LARGE_CONFIGS' splits of Qwen3-8B's projections on an H200's 132 SMs: every program resident at once
-    (a second round cost the Qwen3-8B-shaped MBU 0.846 -> 0.709), filling at least 90% of the places (q/k/v's
-    288 programs of 396 places, two on most SMs and three on others, cost 0.844 -> 0.832; BENCHMARKS.md,
-    forty-sixth session). Places an SM: its 227 KB of shared memory over a program's stages of weight tile and
-    rows, bf16."""
-    from deepflash.kernels import gemv as gemv_kernel
+def test_large_projections_split_into_one_round_of_programs():
+    """The large weights' splits of Qwen3-8B's projections on an H200's 132 SMs: every program resident at
+    once (a second round cost the Qwen3-8B-shaped MBU 0.846 -> 0.709), filling at least 90% of the places
+    (q/k/v's 288 programs of 396 places, two on most SMs and three on others, cost 0.844 -> 0.832). Places
+    an SM: its 227 KB of shared memory over a program's stages of weight tile and rows, bf16."""
+    from deepflash.kernels import gemv
 
     sms = 132
-    monkeypatch.setattr(gemv_kernel, "_sms", lambda device: sms)
     for outputs, width in [(6144, 4096), (24576, 4096), (4096, 12288), (4096, 4096)]:  # q/k/v, gate/up, down, o
-        block_n, block_k, _, stages, _, waves, _ = gemv_kernel.config(width, outputs, outputs * width * 2)
+        block_n, block_k, _, stages, _, waves, _ = gemv.config(width, outputs, outputs * width * 2)
         blocks, steps = -(-outputs // block_n), -(-width // block_k)
-        slices, per = gemv_kernel.split(blocks, steps, torch.device("cpu"), waves)
+        slices, per = gemv.split(blocks, steps, sms, waves)
         resident = 227 * 1024 // (stages * (block_n + 16) * block_k * 2)
         assert 0.9 * resident * sms <= blocks * slices <= resident * sms, (outputs, width, slices)
         assert (slices - 1) * per < steps <= slices * per
@@ -282,12 +276,12 @@ def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
     ids = torch.randint(5, 90, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     params = SamplingParams(max_new_tokens=16)
     # blocks of 4: Triton's interpreter runs every program of every step in Python on the CPU
-    spec = Engine(target, tokenizer, drafter, spec="on", target_kernels="triton", block_size=4).complete(ids, params)
-    plain = Engine(target, tokenizer, target_kernels="triton").complete(ids, params)
+    spec = Engine(target, tokenizer, drafter, config=EngineConfig(spec="on", target_kernels="triton", block_size=4)).complete(ids, params)
+    plain = Engine(target, tokenizer, config=EngineConfig(target_kernels="triton")).complete(ids, params)
     assert spec.token_ids == plain.token_ids
     if dtype == torch.float32:
-        torch_plain = Engine(target, tokenizer, target_kernels="torch").complete(ids, params)
-        assert target.model.layers[0].kernels == "torch"  # the last request's engine set it
+        torch_plain = Engine(target, tokenizer, config=EngineConfig(target_kernels="torch")).complete(ids, params)
+        assert target.model.layers[0].kernels is None  # torch's: the last request's engine set it
         assert torch_plain.token_ids == plain.token_ids
 
 

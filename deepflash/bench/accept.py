@@ -30,7 +30,7 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, se
             warm_up: bool = True) -> tuple[dict, list[list[int]]]:
     """Run every prompt, after an untimed pass over them all when warm_up (as bench speed does: with a
     one-request warm-up, spec on measured 0.79x plain on HumanEval here where bench speed measured 1.1x
-    on five of its prompts, BENCHMARKS.md, tenth session; without it tok/s includes the first uses of
+    on five of its prompts, H200; without it tok/s includes the first uses of
     graphs and kernels). Returns the speculative statistics summed over the timed pass (and each prompt's
     steps, committed tokens and trace), and its outputs."""
     total = SpecStats(engine.block_size) if engine.drafter is not None else None
@@ -122,7 +122,7 @@ def run(args) -> dict:
     record["humaneval"] = {}
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens)
-        spec, _ = measure(Engine(target, tok, drafter, spec="on"), humaneval, params, seeded=True)
+        spec, _ = measure(Engine(target, tok, drafter, config=EngineConfig(spec="on")), humaneval, params, seeded=True)
         plain, _ = measure(Engine(target, tok), humaneval, params, seeded=True)
         spec["speedup_vs_plain"] = spec["tok_per_s"] / plain["tok_per_s"]
         spec["plain_tok_per_s"] = plain["tok_per_s"]
@@ -157,7 +157,7 @@ def run(args) -> dict:
 
     record["dtype"] = {}
     for fmt in ("f32", "bf16", "q8_0", "q4_0"):
-        engine = Engine(target, tok, drafter, spec="on", feature_dtype=fmt)
+        engine = Engine(target, tok, drafter, config=EngineConfig(spec="on", feature_dtype=fmt))
         record["dtype"][fmt] = {d: measure(engine, prompts[d], params, warm_up=False)[0] for d in depths}
         if fmt != "f32":
             for d in depths:
@@ -179,7 +179,7 @@ def window_sweep(target, tok, drafter, prompts: dict[int, list[list[int]]], para
     One pass each: this compares acceptance, not speed (tok/s includes first uses)."""
     record = {name: {} for name in WINDOWS}
     for name, cap in WINDOWS.items():
-        engine = Engine(target, tok, drafter, spec="on", feat_ring_cap=cap)
+        engine = Engine(target, tok, drafter, config=EngineConfig(spec="on", feat_ring_cap=cap))
         for key, ids in prompts.items():
             stats, outputs = measure(engine, ids, params, warm_up=False)
             record[name][key] = stats | {"window": engine.window}

@@ -96,7 +96,7 @@ def table(title: str, columns: list[str], rows: list[list]) -> None:
 
 def save(record: dict, out: str | None) -> None:
     """Write the record as JSON, if asked: at the end, and by long benches after each part, so that a
-    part that fails (the sixteenth session's dtype sweep) does not take the finished ones with it."""
+    part that fails (a kernel that does not compile for one dtype) does not take the finished ones with it."""
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(record, indent=2))

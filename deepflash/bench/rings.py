@@ -8,7 +8,7 @@ import torch
 from ..drafter.features import FeatureRing, pick_ring_kernels
 from ..engine.runtime import resolve_device
 from ..errors import UserError
-from ..kernels import rings as ring_kernels
+from ..kernels.config import Shape
 from ..kernels.row_formats import FORMATS
 from .common import copy_bandwidth, environment, finish, graph_seconds, sync, table
 
@@ -40,13 +40,13 @@ def _time(device, fn, repeats: int, graphs: bool = False) -> float:
 
 
 def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kernels: str, scaled: bool = False,
-               graphs: bool = False) -> dict:
+               graphs: bool = False, shape: Shape | None = None) -> dict:
     """GB/s of one bulk write (f32 rows in, encoded rows out) and one bulk read (encoded in, f32 out),
     counting bytes read plus bytes written, like the copy bandwidth it is compared with. scaled: with a
     per-channel storage scale, as the engine's mirror runs the block formats (features.storage_scale)."""
     fmt = FORMATS[fmt_name]
     scale = torch.exp2(torch.arange(width, device=device) % 7 - 3.0) if scaled else None
-    ring = FeatureRing(rows, width, fmt, device, kernels=kernels, channel_scale=scale)
+    ring = FeatureRing(rows, width, fmt, device, kernels=kernels, channel_scale=scale, shape=shape)
     data = torch.randn(rows, width, device=device)
     positions = torch.arange(rows, device=device)
     stored = rows * fmt.row_bytes(width)
@@ -58,17 +58,18 @@ def throughput(device, fmt_name: str, width: int, rows: int, repeats: int, kerne
             "row_bytes": fmt.row_bytes(width)}
 
 
-def parse_shape(text: str) -> ring_kernels.Shape:
+def parse_shape(text: str) -> Shape:
     parts = text.split("x")
     if len(parts) not in (2, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise UserError(f"--triton-shapes: {text!r} is not GROUPSxWARPS or GROUPSxWARPSxITEMSxSTAGES, e.g. 32x4 "
                         "or 16x1x8x3")
-    return ring_kernels.Shape(*map(int, parts))
+    return Shape(*map(int, parts))
 
 
-def measure(device, bandwidth: float, fmt: str, args, kernels: str, scaled: bool = False) -> dict:
+def measure(device, bandwidth: float, fmt: str, args, kernels: str, scaled: bool = False,
+            shape: Shape | None = None) -> dict:
     r = throughput(device, fmt, PAIRS["SmolLM2-135M (5 taps x 576)"], args.rows, args.repeats, kernels, scaled,
-                   args.graphs)
+                   args.graphs, shape)
     r["write_fraction_of_copy"] = r["write_gb_s"] / bandwidth
     r["dequant_fraction_of_copy"] = r["dequant_gb_s"] / bandwidth if r["dequant_gb_s"] else None
     return r
@@ -82,19 +83,16 @@ def run(args) -> dict:
     bandwidth = copy_bandwidth(device)
     results = {}
     for kernels in (pick_ring_kernels(kind, device) for kind in args.kernels.split(",")):
-        # torch.compile only changes the block formats (features.store_and_decode)
-        names = [f for f in FORMATS if kernels != "compile" or FORMATS[f].dtype is None]
-        for fmt in names:
+        for fmt in FORMATS:
             results[f"{fmt} {kernels}"] = measure(device, bandwidth, fmt, args, kernels)
             if FORMATS[fmt].dtype is None:  # what the engine's mirror runs for the block formats
                 results[f"{fmt} {kernels} scaled"] = measure(device, bandwidth, fmt, args, kernels, scaled=True)
     for shape in shapes:
-        with ring_kernels.shape_override(shape):
-            for fmt in FORMATS:
-                results[f"{fmt} triton {shape}"] = measure(device, bandwidth, fmt, args, "triton")
-                if FORMATS[fmt].dtype is None:  # a program loads the scale once for its ITEMS rows
-                    results[f"{fmt} triton {shape} scaled"] = measure(device, bandwidth, fmt, args, "triton",
-                                                                      scaled=True)
+        for fmt in FORMATS:
+            results[f"{fmt} triton {shape}"] = measure(device, bandwidth, fmt, args, "triton", shape=shape)
+            if FORMATS[fmt].dtype is None:  # a program loads the scale once for its ITEMS rows
+                results[f"{fmt} triton {shape} scaled"] = measure(device, bandwidth, fmt, args, "triton",
+                                                                  scaled=True, shape=shape)
     sizes = {pair: {fmt: FORMATS[fmt].row_bytes(width) + 8 for fmt in FORMATS} for pair, width in PAIRS.items()}
     timed = ", CUDA graphs" if args.graphs else ""
     table(f"ring throughput ({args.rows} rows x {PAIRS['SmolLM2-135M (5 taps x 576)']} features{timed}; copy "
@@ -118,10 +116,10 @@ def register(sub) -> None:
                         "between them (CUDA only)")
     p.add_argument("--kernels", default="auto",
                    help="comma list of ring kernels to time: auto (what the engine runs: triton on CUDA, else "
-                        "torch), torch (eager), compile (torch.compile), triton (hand-written, one pass each way)")
+                        "torch), torch (eager), triton (hand-written, one pass each way)")
     p.add_argument("--triton-shapes",
                    help="comma list of GROUPSxWARPS[xITEMSxSTAGES] (e.g. 16x1,32x4,16x1x8x3) to time the Triton "
-                        "kernels with, every format, besides their defaults (ring_kernels.SHAPES): blocks per work "
+                        "kernels with, every format, besides their defaults (kernels/rings.py SHAPES): blocks per work "
                         "item, warps per program, work items per program, pipeline stages")
     p.add_argument("--out")
     p.set_defaults(func=run)

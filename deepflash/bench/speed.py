@@ -103,11 +103,12 @@ def random_target(shape: dict, device: torch.device | str):
                         on_device=True)
 
 
-def random_engine(shape: dict, device: torch.device | str, **engine_args) -> Engine:
+def random_engine(shape: dict, device: torch.device | str, config: EngineConfig = EngineConfig(max_ctx=2048)
+                  ) -> Engine:
     """An engine over random_target(shape), without stop tokens (random weights: every request
     generates exactly max_new tokens)."""
     target = random_target(shape, device)
-    engine = Engine(target, word_tokenizer(target.cfg.vocab_size), max_ctx=2048, **engine_args)
+    engine = Engine(target, word_tokenizer(target.cfg.vocab_size), config=config)
     engine.stop_ids = frozenset()
     return engine
 
@@ -116,7 +117,7 @@ def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, 
                  kernels: str = "auto") -> dict:
     """Plain decode of a random-weight Qwen3-8B-shaped bf16 model; MBU = bytes read per step x tok/s /
     copy bandwidth (bytes read: weights a decode step touches plus the KV span attended)."""
-    engine = random_engine(QWEN3_8B, device, target_kernels=kernels)
+    engine = random_engine(QWEN3_8B, device, EngineConfig(max_ctx=2048, target_kernels=kernels))
     target = engine.target
     prompt = torch.randint(2, target.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     stats = run_engine(engine, [prompt] * 3, max_new, SamplingParams(max_new_tokens=max_new))
@@ -148,20 +149,17 @@ def run(args) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     max_new, ctx = args.max_new_tokens, rt.engine.max_ctx
     engines = {
-        "deepflash plain": lambda: Engine(target, tok, max_ctx=ctx),
-        "deepflash dflash (spec auto)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="auto"),
-        "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on"),
+        "deepflash plain": lambda: Engine(target, tok, config=EngineConfig(max_ctx=ctx)),
+        "deepflash dflash (spec auto)": lambda: Engine(target, tok, rt.drafter, config=EngineConfig(max_ctx=ctx, spec="auto")),
+        "deepflash dflash (spec on)": lambda: Engine(target, tok, rt.drafter, config=EngineConfig(max_ctx=ctx, spec="on")),
         # a shorter block: a cheaper verify and draft against the drafts past position 8 (HumanEval: 3% of
-        # the AL with the shipped drafter, BENCHMARKS.md fifteenth session)
-        "deepflash dflash block 8 (spec on)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="on",
-                                                             block_size=8),
+        # the AL with the shipped drafter)
+        "deepflash dflash block 8 (spec on)": lambda: Engine(target, tok, rt.drafter, config=EngineConfig(max_ctx=ctx, spec="on", block_size=8)),
         # plain steps that still capture features for the drafter: what that capture costs on its own
-        "deepflash dflash (spec off)": lambda: Engine(target, tok, rt.drafter, max_ctx=ctx, spec="off"),
-        "deepflash never-matching drafter (spec auto)": lambda: Engine(
-            target, tok, never_matching_drafter(rt.drafter), max_ctx=ctx, spec="auto"),
-        "deepflash plain" + TORCH_KERNELS: lambda: Engine(target, tok, max_ctx=ctx, target_kernels="torch"),
-        "deepflash dflash (spec auto)" + TORCH_KERNELS: lambda: Engine(
-            target, tok, rt.drafter, max_ctx=ctx, spec="auto", target_kernels="torch"),
+        "deepflash dflash (spec off)": lambda: Engine(target, tok, rt.drafter, config=EngineConfig(max_ctx=ctx, spec="off")),
+        "deepflash never-matching drafter (spec auto)": lambda: Engine(target, tok, never_matching_drafter(rt.drafter), config=EngineConfig(max_ctx=ctx, spec="auto")),
+        "deepflash plain" + TORCH_KERNELS: lambda: Engine(target, tok, config=EngineConfig(max_ctx=ctx, target_kernels="torch")),
+        "deepflash dflash (spec auto)" + TORCH_KERNELS: lambda: Engine(target, tok, rt.drafter, config=EngineConfig(max_ctx=ctx, spec="auto", target_kernels="torch")),
     }
     transformers_runs = {
         "transformers generate": {},

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.argmax import argmax
-from ..models.layers import (
-    fold_mask,
-)
+from ..models.layers import fold_mask
 from .model import DFlashDrafter, RingBlock
 
 
@@ -148,11 +146,10 @@ def drafter_kernels(target_kernels: str, drafter: DFlashDrafter) -> str:
     """The drafter's kernels (DrafterContext): Triton's where the target's are asked to be, and with
     'auto' on CUDA where Triton is installed; torch's for a head dim that is not a power of two, which
     the kernels' tiles cannot take (the target's kernels, which the flag names, are chosen apart)."""
-    from ..kernels.rope import available
+    from ..kernels.triton_support import usable
 
     dim = drafter.cfg.head_dim
-    auto = drafter.device.type == "cuda" and available()
-    wanted = target_kernels == "triton" or (target_kernels == "auto" and auto)
+    wanted = target_kernels == "triton" or (target_kernels == "auto" and usable(drafter.device))
     return "triton" if wanted and dim & (dim - 1) == 0 else "torch"
 
 

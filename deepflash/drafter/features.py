@@ -8,36 +8,22 @@ written position raises instead of silently returning another position's row (th
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
 from ..errors import UserError
 from ..kernels.row_formats import RowFormat, row_format
 
-RING_CAP_ENV = "DEEPFLASH_FEAT_RING_CAP"
-
 
 class FeatureReadError(LookupError):
     """A read asked for a position the ring does not hold."""
 
 
-def ring_cap_from_env() -> int | None:
-    value = os.environ.get(RING_CAP_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"{RING_CAP_ENV} must be an integer, got {value!r}") from None
-
-
 def drafter_window(max_ctx: int, trained_ctx: int, cap: int | None = None) -> int:
     """The feature window for every ring and mirror: min(max_ctx, trained_ctx), lowered by the memory
-    valve `cap` (--feat-ring-cap, else DEEPFLASH_FEAT_RING_CAP). A cap that is unset, <= 0 or above the
-    trained window means "the trained window"."""
-    if cap is None:
-        cap = ring_cap_from_env()
+    valve `cap` (EngineConfig.feat_ring_cap: --feat-ring-cap or DEEPFLASH_FEAT_RING_CAP). A cap that is
+    unset, <= 0 or above the trained window means "the trained window"."""
     window = min(max_ctx, trained_ctx)
     if cap is not None and 0 < cap < trained_ctx:
         window = min(window, cap)
@@ -54,7 +40,9 @@ class FeatureRing:
     """
 
     def __init__(self, window: int, width: int, fmt: RowFormat, device: torch.device | str, slack: int = 0,
-                 kernels: str = "torch", channel_scale: torch.Tensor | None = None):
+                 kernels: str = "torch", channel_scale: torch.Tensor | None = None, shape=None):
+        """kernels: "torch" or "triton" (store_and_decode); shape: the Triton kernels' cut of the work
+        (kernels.rings.Shape, their shipped one when None: bench rings times others)."""
         self.window, self.width, self.fmt = window, width, fmt
         self.capacity = window + slack
         self.data = torch.zeros((self.capacity, *fmt.row_shape(width)), dtype=fmt.storage_dtype(), device=device)
@@ -71,7 +59,7 @@ class FeatureRing:
                 raise ValueError("a ring's channel scales must be exact in bfloat16, as storage_scale's powers "
                                  "of two are")
             self.inverse = self.scale.reciprocal()
-        self._store, self._decode = store_and_decode(kernels, fmt)
+        self._store, self._decode = store_and_decode(kernels, shape)
 
     @property
     def nbytes(self) -> int:
@@ -170,38 +158,31 @@ def storage_scale(fc_weight: torch.Tensor) -> torch.Tensor:
     return torch.exp2(ratio.clamp(2.0**-10, 2.0**10).log2().round())
 
 
-RING_KERNELS = ("auto", "torch", "compile", "triton")
+RING_KERNELS = ("auto", "torch", "triton")
 
 
 def pick_ring_kernels(kind: str, device: torch.device | str) -> str:
-    """auto: Triton on CUDA (one pass each way; BENCHMARKS.md), else eager torch. Any other kind is taken
+    """auto: Triton on CUDA (one pass each way, BENCHMARKS.md), else eager torch. Any other kind is taken
     as asked (store_and_decode checks it)."""
     if kind != "auto":
         return kind
-    from ..kernels import rings as triton_kernels
+    from ..kernels.triton_support import usable
 
-    if torch.device(device).type == "cuda" and triton_kernels.available():
-        return "triton"
-    return "torch"
+    return "triton" if usable(device) else "torch"
 
 
-def store_and_decode(kind: str, fmt: RowFormat):
+def store_and_decode(kind: str, shape=None):
     """The (store, decode) functions of a ring.
-    torch: quant.py's vectorized forms, eager (q4_0 encode is about 15 small kernels).
-    compile: the same through torch.compile, for the block formats only (on an H200, BENCHMARKS.md:
-      3x faster writes, 1.4-2.6x faster dequantize; plain dtypes wrote slower compiled than eager);
-      dynamic, so one kernel serves every run length.
-    triton: one hand-written pass each way (ring_kernels.py), same bytes."""
+    torch: row_formats.py's vectorized forms, eager (q4_0 encode is about 15 small kernels).
+    triton: one hand-written pass each way (kernels/rings.py), the same bytes; `shape` cuts its work."""
     if kind == "triton":
-        from ..kernels import rings as triton_kernels
+        from ..kernels import rings
+        from ..kernels.triton_support import require
 
-        if not triton_kernels.available():
-            raise UserError("ring kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
-        return triton_kernels.write, triton_kernels.decode
-    if kind not in RING_KERNELS[1:]:
-        raise UserError(f"ring kernels must be one of {', '.join(RING_KERNELS[1:])}, got {kind!r}")
-    if kind == "compile" and fmt.dtype is None:
-        return torch.compile(_store, dynamic=True), torch.compile(_decode, dynamic=True)
+        require()
+        return functools.partial(rings.write, shape=shape), functools.partial(rings.decode, shape=shape)
+    if kind != "torch":
+        raise UserError(f"ring kernels must be one of {', '.join(RING_KERNELS)}, got {kind!r}")
     return _store, _decode
 
 

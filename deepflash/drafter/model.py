@@ -14,29 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import (
-    MLP,
-    FusedProjections,
-    Pending,
-    RMSNorm,
-    Rotary,
-    apply_rotary,
-    attention,
-    embedding_rows,
-    final_norm,
-    fuse_linears,
-    norm_linear,
-    output_projection,
-)
+from ..models.layers import (MLP, FusedProjections, Pending, RMSNorm, Rotary, apply_rotary, attention, embedding_rows,
+                             final_norm, fuse_linears, norm_linear, output_projection, read_by_torch_gemm)
 from .config import DrafterConfig
 
 
 @dataclass
 class RingBlock:
     """A draft's layer on the target's Triton kernels (DrafterLayer.ring_forward), its attention on the
-    decode-attention kernel (models/decode_kernel.py), which splits the keys over many programs: SDPA
+    decode-attention kernel (kernels/attention.py), which splits the keys over many programs: SDPA
     gave each kv head's 48 folded block queries one program over the whole context (~130 us per layer at
-    5.8K tokens, BENCHMARKS.md, sixteenth session). The block's K/V go into the context ring at their
+    5.8K tokens on an H200). The block's K/V go into the context ring at their
     positions' slots (spare ones: DrafterContext's slack; the verify's append overwrites them), and every
     block query sees slots 0..the block's last position. Only where position p sits in slot p and the
     window holds every position below the span, for bidirectional full-attention layers
@@ -71,10 +59,10 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, transposed=read_by_torch_gemm) -> None:
         """q, k and v as one GEMM (fuse_linears), the context rows' k and v as one: inference only,
         drafters in training stay unfused."""
-        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, transposed=transposed)
 
     def keys_values(self, x, cos, sin):
         """K (k_norm, rope at its own positions) and V of rows x [b, n, H] -> [b, Hkv, n, D] each."""
@@ -114,7 +102,7 @@ class DrafterAttention(nn.Module):
     def ring_forward(self, qkv, cos, sin, ring: RingBlock):
         """forward on the Triton kernels from the fused q/k/v projection's output (DrafterLayer.
         ring_forward projects inside its norm's kernel): q/k norms, rope and the block's K/V write into
-        the ring as one kernel (models/rope_kernel.py, where torch ran ~12 per layer), then the decode
+        the ring as one kernel (kernels/rope.py, where torch ran ~12 per layer), then the decode
         attention over slots 0..the block's last position. Fused projections only (load_drafter's form)."""
         from ..kernels.attention import decode_attention
         from ..kernels.rope import rope_and_write

@@ -1,36 +1,40 @@
-"""EngineConfig: everything that decides how a model pair is loaded and run."""
+"""EngineConfig: every setting that decides how a model pair is loaded and run, in one object.
+
+`generate`, `serve`, `info` and the benchmarks build one (engine.runtime.engine_config from the command
+line) and everything downstream reads it: the loader, the memory plan and the Engine.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..errors import UserError
 
 DTYPES = {"float32": "float32", "f32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "f16": "float16"}
-
-
 SPEC_MODES = ("auto", "on", "off")
+RING_CAP_ENV = "DEEPFLASH_FEAT_RING_CAP"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that decides how a model pair is loaded and run; shared by generate, serve and bench."""
-
     model: str | None = None  # path, .gguf, hub id; None = the embedded default
     draft: str | None = None  # None = the default drafter of the embedded model, if any
     no_draft: bool = False
-    block_size: int | None = None
+    block_size: int | None = None  # verify block; None = the drafter's
     device: str = "auto"
     dtype: str = "auto"
     max_ctx: int | str | None = None  # tokens, "auto" (largest that fits the device), None = the model's
-    feature_dtype: str = "f32"
-    feat_ring_cap: int | None = None
-    trained_ctx: int | None = None
-    spec: str = "auto"
+    feature_dtype: str = "f32"  # the drafter mirror's storage (kernels/row_formats.py FORMATS)
+    feat_ring_cap: int | None = None  # the memory valve: lowers the feature window (drafter.features)
+    trained_ctx: int | None = None  # the drafter's trained window; None = its config's
+    spec: str = "auto"  # speculation policy (engine.controller): auto, on, off
     reserve_mb: int = 1024  # device memory --max-ctx auto leaves free
-    ring_kernels: str = "auto"  # feature-ring encode/decode: auto, torch, compile, triton (features.py)
+    ring_kernels: str = "auto"  # feature-ring encode/decode: auto (Triton on CUDA), torch, triton
     target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels
+    prefill_chunk: int = 1024  # prompt tokens per prefill forward (a power of two)
+    cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
 
     def validated(self) -> EngineConfig:
         from ..drafter.features import RING_KERNELS
@@ -55,5 +59,30 @@ class EngineConfig:
             raise UserError(f"--target-kernels must be one of {', '.join(TARGET_KERNELS)}, got {self.target_kernels!r}")
         if self.trained_ctx is not None and self.trained_ctx < 1:
             raise UserError(f"--trained-ctx must be >= 1, got {self.trained_ctx}")
+        if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise UserError(f"the prefill chunk must be a power of two, got {self.prefill_chunk}")
         return self
 
+
+def ring_cap_from_env() -> int | None:
+    """DEEPFLASH_FEAT_RING_CAP, the memory valve's environment form (--feat-ring-cap wins over it)."""
+    value = os.environ.get(RING_CAP_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{RING_CAP_ENV} must be an integer, got {value!r}") from None
+
+
+def context_length(max_ctx: int | str | None, model_positions: int) -> int:
+    """The engine's context in tokens: max_ctx, or the model's whole range (max_position_embeddings) when
+    None. Past that range the model's positions are undefined: an error, not a silent cap."""
+    if max_ctx is None:
+        return model_positions
+    if isinstance(max_ctx, str):
+        raise ValueError("max_ctx 'auto' is resolved from the free memory first (engine.runtime.load_runtime)")
+    if max_ctx > model_positions:
+        raise UserError(f"--max-ctx {max_ctx} is more than the model supports: {model_positions} positions "
+                        "(max_position_embeddings); lower it, or leave it out to use them all")
+    return max_ctx

@@ -2,46 +2,38 @@
 
 Speculation pays when (tokens committed per spec step) x t_plain / t_spec > 1, i.e. when a spec step
 commits more than its break-even, t_spec / t_plain tokens (less a margin). The controller keeps
-exponential averages of the two step costs and sums, over the spec steps, how far each fell short of
-break-even (a run of good steps clears the sum: `_add_to_shortfall`); past a tolerance (8 tokens, or 4
-standard deviations of the tokens a spec step commits where that is more: `_tolerance`) it runs a plain
-burst, then probes speculation again. Features are captured during plain steps too, so a
-probe drafts with the full context (the drafter's K/V of the burst is computed in one batch when it
-starts). Consecutive failed probes double the burst (up to 8x) and halve the tolerance, so that a
-drafter that never pays costs almost nothing. A probe after failures measures t_plain first and opens
-with one spec step alone, plain steps running while its result is on its way: the engine queues steps
-ahead (engine.PIPELINE_DEPTH), and a second spec step queued behind it would be spent before the
-verdict. Once that step has not turned it off, spec steps queue as usual: alternating plain and spec
-steps for a whole probe would drain the queue at every switch. Spec steps queued before a failed
-verdict are not taken as the next probe.
+exponential averages of the two step costs per context region (the KV bucket a step attends over: costs
+grow with it in steps) and sums, over the spec steps, how far each fell short of break-even: a one-sided
+CUSUM, so a run of good steps clears it (`_add_to_shortfall`). Past a tolerance (8 tokens, or 4 standard
+deviations of the tokens a spec step commits where that is more: `_tolerance`) it turns speculation off.
 
-The verdict used to be the average of a probe's first two spec steps against break-even:
-with the HumanEval drafter (44% of its steps commit one token) `--spec auto` then ran 308 plain and 101
-spec steps where `--spec on` was 5% faster (BENCHMARKS.md, tenth session). In a simulation of the class
-with HumanEval's tokens-per-step histogram (t_spec = 2 t_plain, 128-token requests) the shortfall rule
-reaches 1.062x where `on` reaches 1.070x and the old rule 1.014x, and a never-matching drafter runs at
-0.992x of plain under both.
+Its phases (Phase):
+- SPECULATE: spec steps. A plain step measures t_plain where the region has none once a verdict is due
+  (after `min_spec_steps` spec steps, or at once while backing off), and again every `remeasure` spec steps.
+- BURST: plain steps after a failed verdict: `burst` tokens, doubled per consecutive failure (up to
+  `max_backoff` x), while the tolerance halves, so a drafter that never pays costs almost nothing.
+  Features are captured during plain steps too, so the next probe drafts with the full context.
+- PROBE: after a burst (and at the start of a request while backing off), one spec step alone, plain
+  steps running while its result is on its way: the engine queues steps ahead (engine.PIPELINE_DEPTH), and
+  a second spec step queued behind it would be spent before the verdict. Once that step has not turned it
+  off, SPECULATE again; `success_steps` steps at no shortfall end the backoff.
 
-Step costs grow with the context, and in steps: a step's graph attends over its KV bucket (a power of
-two, graphs.kv_bucket), whatever the position inside it. So the costs are kept per context region (the
-engine passes the KV bucket of a spec step at the current position) for the engine's life, across
-requests and failed verdicts: a request in a region measured before speculates and is judged from its
-first step, where each request used to open with plain steps that measured t_plain. Plain steps
-measure t_plain where a region has none once a verdict is due, and again every `remeasure` spec steps
-(replacing it: the first measurement may have been slow). A step whose time includes other work is
-recorded without a time: one that ran while a CUDA graph was captured (a plain cost measured so was
-once tens of times too high and kept a losing drafter on for a whole run), a spec step that first
-computed the drafter's K/V of the plain steps before it (switching work, ~0.4 of a plain step on an
-H200), and a plain step in flight while a spec step was launched (the launch's host work may delay its
-collect). Counted as a spec cost, the catch-up raised break-even right after every measurement and
-burst, and with HumanEval's histogram the shortfall then passed its tolerance 0.73 times per 128-token
-request (0.15 after these changes): simulated with t_spec = 2.05 t_plain, auto reached 0.885 of `on`
-before and 0.990 after (BENCHMARKS.md, fourteenth session).
+A step whose time includes other work is recorded without a time (the engine decides: a CUDA graph's
+capture, the drafter's catch-up after plain steps, a plain step in flight while a spec step launched).
+Spec steps queued before a failed verdict are not evidence for the next probe (`stale_spec`). DESIGN.md
+gives the measurements behind these rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Phase(Enum):
+    SPECULATE = "speculate"
+    BURST = "burst"
+    PROBE = "probe"
 
 
 @dataclass
@@ -56,6 +48,7 @@ class SpecController:
     tolerance: float = 8.0  # tokens short of break-even (the shortfall) that turn speculation off, at least
     spread: float = 4.0  # ... and at least this many standard deviations of the tokens a spec step commits
     success_steps: int = 4  # steps of a probe after failures that end the backoff if the shortfall is 0
+    phase: Phase = Phase.SPECULATE
     shortfall: float = 0.0
     unjudged: list[int] = field(default_factory=list)  # tokens committed by spec steps not yet in the shortfall
     region: int = 0  # the context region (KV bucket) of the step being decided
@@ -64,9 +57,9 @@ class SpecController:
     committed_mean: float = 0.0  # the mean of the tokens they committed
     committed_m2: float = 0.0  # and the sum of squared deviations from it (Welford)
     plain_costs: dict[int, float] = field(default_factory=dict)
-    plain_left: int = 0  # plain steps of the current burst still to launch
+    plain_left: int = 0  # plain steps of the current burst still to launch (BURST)
     spec_seen: int = 0
-    failed_probes: int = 0
+    failed_probes: int = 0  # consecutive failed verdicts: the backoff (0: none)
     spec_in_flight: int = 0  # spec steps decided and not yet recorded
     spec_since_plain: int = 0  # spec steps decided since the last plain one
     stale_spec: int = 0  # spec steps queued before the last failed verdict: no evidence for the next probe
@@ -83,6 +76,7 @@ class SpecController:
         self.unjudged.clear()
         # the last request's queued steps were dropped
         self.plain_left = self.spec_seen = self.spec_in_flight = self.stale_spec = 0
+        self.phase = Phase.PROBE if self.failed_probes else Phase.SPECULATE
 
     @property
     def t_spec(self) -> float | None:
@@ -103,14 +97,16 @@ class SpecController:
     def _decide(self) -> bool:
         if self.mode != "auto":
             return self.mode == "on"
-        if self.plain_left > 0:
+        if self.phase is Phase.BURST:
             self.plain_left -= 1
+            if self.plain_left == 0:
+                self.phase = Phase.PROBE
             return False
-        if self.failed_probes and self.spec_in_flight and not self.spec_seen:
-            return False  # a probe after failures opens with one step alone: plain steps until its verdict
+        if self.phase is Phase.PROBE and self.spec_in_flight:
+            return False  # the probe's one spec step is on its way: plain steps until its verdict
         # a request opens with spec steps, and measures a missing or stale t_plain after min_spec_steps of
-        # them; a probe after failures (also the opening one of a request) measures it first, so that one
-        # step can decide
+        # them; while backing off (a probe, also the opening one of a request) it measures it first, so that
+        # one step can decide
         if (self.spec_seen >= self.min_spec_steps or self.failed_probes) and self._plain_cost_stale():
             self.plain_costs.pop(self.region, None)  # one plain step measures it afresh
             return False
@@ -136,6 +132,8 @@ class SpecController:
         self._learn(self.spec_costs, region, seconds)
         self.spec_seen += 1
         self._judge()
+        if self.phase is Phase.PROBE:  # the probe's step did not turn speculation off
+            self.phase = Phase.SPECULATE
 
     def record_plain(self, seconds: float | None, region: int = 0) -> None:
         self._learn(self.plain_costs, region, seconds)
@@ -150,6 +148,7 @@ class SpecController:
             return
         self._add_to_shortfall()
         if self.shortfall > self._tolerance() / 2**self.failed_probes:
+            self.phase = Phase.BURST
             self.plain_left = self.burst * min(2**self.failed_probes, self.max_backoff)
             self.failed_probes += 1
             self.spec_seen = 0  # the next probe is judged on fresh steps
@@ -174,7 +173,7 @@ class SpecController:
         """A drafter whose steps scatter widely runs up a shortfall by chance where it pays: at depth the
         shipped drafter commits 3.3 tokens a step with a standard deviation of 3.0 (16 tokens at times,
         one in 36% of steps), and a fixed tolerance of 8 tokens ran plain bursts where speculating was
-        1.22x faster (auto 0.90 of `on` on bench speed's long prompt, fifteenth session). A drafter that
+        1.22x faster (auto 0.90 of `on` on bench speed's long prompt, H200). A drafter that
         never matches has no scatter and keeps the fixed tolerance."""
         spread = (self.committed_m2 / self.judged_steps) ** 0.5 if self.judged_steps else 0.0
         return max(self.tolerance, self.spread * spread)

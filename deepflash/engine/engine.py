@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,7 @@ from ..drafter.model import DFlashDrafter
 from ..errors import UserError
 from ..loading.tokenizer import Detokenizer, Tokenizer
 from ..models import TargetModel
+from .config import EngineConfig, context_length
 from .controller import SpecController
 from .graphs import StepGraphs, kv_bucket, prefill_pieces
 from .output import OutputTracker
@@ -33,11 +34,10 @@ from .stats import PhaseTimer, SpecStats
 from .steps import Steps, StepState
 
 PIPELINE_DEPTH = 2  # decode steps queued on the device at once (see Engine._fill)
-# A speculative step is one CUDA graph, the draft then the verify (Steps.speculate): one launch, and under
-# the profiler two graphs left the GPU idle ~25 us between them in every step (profile_step.py --timeline);
-# end to end one graph took 0.1-0.3% off a spec step's device time (forty-fourth session). False: two
-# graphs (scripts/gpu/kernels_ab.py --arm "two graphs=engine.ONE_SPEC_GRAPH:False")
-ONE_SPEC_GRAPH = True
+
+
+class Cancelled(Exception):
+    """Engine.generate stopped at its caller's request (its `cancelled` said so)."""
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Chunk:
 
 @dataclass
 class Sequence:
-    """Host view of one request. The device state (spec.StepState) runs up to PIPELINE_DEPTH steps ahead."""
+    """Host view of one request. The device state (steps.StepState) runs up to PIPELINE_DEPTH steps ahead."""
 
     tokens: list[int]
     processed: int  # positions the target has processed once the last collected step is counted
@@ -94,7 +94,7 @@ class Sequence:
     tracker: OutputTracker
     generated: int = 0  # tokens committed after the prompt (the first comes from prefill)
     new_tokens: list[int] = field(default_factory=list)
-    drafter_synced: int = 0  # positions below this have their K/V in the drafter's context (spec.Steps.plain)
+    drafter_synced: int = 0  # positions below this have their K/V in the drafter's context (steps.Steps.plain)
 
 
 @dataclass
@@ -114,39 +114,35 @@ class Launched:
 
 
 class Engine:
-    def __init__(self, target: TargetModel, tokenizer: Tokenizer, drafter: DFlashDrafter | None = None, *,
-                 max_ctx: int | None = None, block_size: int | None = None, feature_dtype: str = "f32",
-                 feat_ring_cap: int | None = None, trained_ctx: int | None = None, spec: str = "auto",
-                 prefill_chunk: int = 1024, cuda_graphs: bool = True,
-                 ring_kernels: str = "auto", target_kernels: str = "auto"):
-        target.use_kernels(target_kernels)  # checks the choice; set again per request (generate)
-        self.target_kernels = target_kernels
+    """One sequence at a time on one device: target, tokenizer, optional drafter and the EngineConfig that
+    says how to run them (its max_ctx a number or None, resolved by runtime.load_runtime where 'auto')."""
+
+    def __init__(self, target: TargetModel, tokenizer: Tokenizer, drafter: DFlashDrafter | None = None,
+                 config: EngineConfig = EngineConfig()):
+        config = config.validated()
+        self.config = config
+        target.use_kernels(config.target_kernels)  # checks the choice; set again per request (generate)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         cfg = target.cfg
-        self.max_ctx = min(max_ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if self.max_ctx < 2:
-            raise UserError(f"max context must be at least 2 tokens, got {self.max_ctx}")
+        self.max_ctx = context_length(config.max_ctx, cfg.max_position_embeddings)
         self.device = target.device
         self.cache = target.new_cache(1, self.max_ctx)
         self.stop_ids = tokenizer.stop_ids(cfg.eos_token_ids)
-        if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
-            raise UserError(f"the prefill chunk must be a power of two, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
-        self.controller = SpecController(mode=spec if drafter is not None else "off")
+        self.controller = SpecController(mode=config.spec if drafter is not None else "off")
         self.block_size = 1
         features = context = None
         if drafter is not None:
-            validate_pair(drafter.cfg, cfg, block_size)
-            self.block_size = block_size or drafter.cfg.block_size
-            self.trained_ctx = trained_ctx or drafter.cfg.trained_context_length
-            self.window = drafter_window(self.max_ctx, self.trained_ctx, feat_ring_cap)
+            validate_pair(drafter.cfg, cfg, config.block_size)
+            self.block_size = config.block_size or drafter.cfg.block_size
+            self.trained_ctx = config.trained_ctx or drafter.cfg.trained_context_length
+            self.window = drafter_window(self.max_ctx, self.trained_ctx, config.feat_ring_cap)
             width = len(drafter.cfg.target_layer_ids) * cfg.hidden_size
-            features = FeatureStore(self.window, width, feature_dtype, target.dtype, self.device, drafter.device,
-                                    slack=self.block_size,
-                                    kernels=pick_ring_kernels(ring_kernels, self.device),
+            features = FeatureStore(self.window, width, config.feature_dtype, target.dtype, self.device,
+                                    drafter.device, slack=self.block_size,
+                                    kernels=pick_ring_kernels(config.ring_kernels, self.device),
                                     channel_scale=storage_scale(drafter.fc.weight))
             context = DrafterContext(drafter, self.window, slack=self.block_size,
-                                     kernels=drafter_kernels(target_kernels, drafter))
+                                     kernels=drafter_kernels(config.target_kernels, drafter))
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
         # the tables cover the target's whole range, so that engines sharing a model share them
         target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)
@@ -155,12 +151,15 @@ class Engine:
         # the mailbox's slots outnumber the steps in flight, so a step's slot is read before it is reused
         self.state = StepState(self.device, self.block_size, self.max_ctx, slots=PIPELINE_DEPTH + 1)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
-        self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=cuda_graphs, cache=self.cache)
+        self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=config.cuda_graphs, cache=self.cache)
         self.launches = 0  # decode steps launched: the next one's number
 
     # --- public API ---------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
-        """Stream a completion of prompt_ids; the last chunk carries the Result."""
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> Iterator[Chunk]:
+        """Stream a completion of prompt_ids; the last chunk carries the Result. `cancelled` is asked
+        between prefill pieces (a long prompt's prefill raises Cancelled once it says so); between
+        chunks the caller stops by closing the generator."""
         params = params.validated()
         self._check_prompt(prompt_ids)
         seq = Sequence(list(prompt_ids), len(prompt_ids), params, OutputTracker(
@@ -169,9 +168,9 @@ class Engine:
         timer = PhaseTimer(self.device)
         self.controller.new_request()
         # engines may share a target (the benchmarks): each request runs with this engine's kernels
-        self.target.use_kernels(self.target_kernels)
+        self.target.use_kernels(self.config.target_kernels)
         t0 = time.perf_counter()
-        self._prefill(seq)
+        self._prefill(seq, cancelled)
         seq.generated = 1
         self._postprocess(seq, self.state.result[1:2].tolist())
         prefill_s = time.perf_counter() - t0
@@ -227,30 +226,40 @@ class Engine:
             raise UserError(f"prompt token ids must be in [0, {vocab})")
 
     @torch.no_grad()
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seq: Sequence, cancelled: Callable[[], bool] | None) -> None:
         """The prompt in pieces (prefill_pieces). Where the target allows it they are powers of two that
         may overlap, each run as a CUDA graph per (size, KV bucket): an eager prefill chunk is hundreds of
-        host-bound kernel launches (~12 ms for a 170-token prompt on an H200, BENCHMARKS.md). Else
-        (recurrent layers) consecutive chunks of prefill_chunk, eager."""
+        host-bound kernel launches (~12 ms for a 170-token prompt on an H200). Else (recurrent layers)
+        consecutive chunks of prefill_chunk, eager. With `cancelled`, the host keeps at most two pieces
+        queued on the device and asks it before each launch: a cancelled request stops within about two
+        pieces' time, where the host would otherwise queue the whole prompt at once."""
         if self.steps.features is not None:
             self.steps.features.reset()
             self.steps.context.reset()
         params = seq.params
-        self.state.seed.fill_(params.seed)
+        self.state.sampling.load(params)
         n = len(seq.tokens)
         self.state.prompt[:n].copy_(torch.tensor(seq.tokens))
-        sampling = (params.temperature, params.top_k, params.top_p)
         graphs = self.target.idempotent_positions
-        pieces = prefill_pieces(n, self.prefill_chunk) if graphs else \
-            [(lo, min(self.prefill_chunk, n - lo)) for lo in range(0, n, self.prefill_chunk)]
+        chunk = self.config.prefill_chunk
+        pieces = prefill_pieces(n, chunk) if graphs else [(lo, min(chunk, n - lo)) for lo in range(0, n, chunk)]
+        queued: deque[torch.cuda.Event] = deque()
         for lo, size in pieces:
+            if cancelled is not None:
+                if len(queued) == 2:
+                    queued.popleft().synchronize()
+                if cancelled():
+                    raise Cancelled("the request was cancelled during its prefill")
             self.state.start.fill_(lo)
             kv_len = kv_bucket(lo + size, self.max_ctx) if graphs else lo + size
             step = functools.partial(self.steps.prefill, size, kv_len, params)
             if graphs:
-                self.graphs.run(("prefill", size, kv_len) + sampling, step)
+                self.graphs.run(("prefill", size, kv_len, params.mode), step)
             else:
                 step()
+            if cancelled is not None and self.device.type == "cuda":
+                queued.append(torch.cuda.Event())
+                queued[-1].record()
         seq.drafter_synced = n
 
     def _room(self, seq: Sequence, inflight: deque[Launched] | tuple = ()) -> int:
@@ -286,30 +295,23 @@ class Engine:
         processed = self._processed_bound(seq, inflight)
         began = time.perf_counter()
         params = seq.params
-        sampling = (params.temperature, params.top_k, params.top_p)
         region = kv_bucket(processed + self.block_size, self.max_ctx)  # step costs are per KV bucket
         switched = False
         if self.drafter is not None and size >= 2 and self.controller.use_spec(region):
             kv_len = kv_bucket(processed + size, self.max_ctx)
-            # switching work, not a spec step's cost: counted as one it raised the break-even and turned
-            # paying drafters off (BENCHMARKS.md, fourteenth session)
+            # switching work, not a spec step's cost: counted as one it would raise the break-even and turn
+            # paying drafters off (DESIGN.md, the controller)
             switched = self._catch_up(seq, inflight, processed)
             timer.start("spec")
             # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
             # that many slots (a graph per bucket, as the verify)
-            if ONE_SPEC_GRAPH:
-                captured = self.graphs.run(("spec", size, kv_len) + sampling,
-                                           lambda: self.steps.speculate(size, kv_len, params))
-            else:
-                captured = self.graphs.run(("draft", size, kv_len),
-                                           lambda: self.steps.draft(size, kv_len, self.steps.positions(size)))
-                captured |= self.graphs.run(("verify", size, kv_len) + sampling,
-                                            lambda: self.steps.verify(size, kv_len, params, self.steps.positions(size)))
+            captured = self.graphs.run(("spec", size, kv_len, params.mode),
+                                       lambda: self.steps.speculate(size, kv_len, params))
             timer.stop()
             kind = "spec"
         else:
             kv_len = kv_bucket(processed + 1, self.max_ctx)
-            captured = self.graphs.run(("plain", kv_len) + sampling, lambda: self.steps.plain(kv_len, params))
+            captured = self.graphs.run(("plain", kv_len, params.mode), lambda: self.steps.plain(kv_len, params))
             kind, size = "plain", 1
         for queued in inflight:
             # a capture delays every step in flight; a spec launch's host work (two graphs, the drafter's
@@ -319,7 +321,6 @@ class Engine:
         # the host learns the outcome from the step's mailbox slot; the device already advanced its own inputs
         number = self.launches
         self.launches += 1
-        self.state.mailbox.send(number)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()

@@ -3,27 +3,37 @@
 A small model's decode step is hundreds of tiny kernels; launched one by one from Python the launch
 overhead dominates. Replaying a captured graph launches them all in one call. A variant is keyed by
 what changes its kernels: the step kind, the block size, the attention span (kv_len, bucketed to a
-power of two so there are few variants) and the sampling settings (baked into the kernels; the seed
-is a device buffer). Off CUDA the steps simply run eagerly.
+power of two so there are few variants) and the sampling mode (greedy, sampled, filtered: the values
+are device buffers, sampling.SamplingBuffers). Off CUDA the steps simply run eagerly.
+
+The variants a long-running server meets are bounded by construction (kinds x block sizes x KV buckets
+x 3 modes, prefill sizes x KV buckets x 3 modes), and the cache is bounded too: past `max_graphs` the
+least recently replayed graph is dropped (its memory stays in the shared pool for the next capture).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+
+MAX_GRAPHS = 256  # a 64K context has about 100 prefill, plain and spec variants per sampling mode
 
 
 class StepGraphs:
     """`buffers`: the step's device-resident inputs/outputs (e.g. StepState.buffers()), which a capture's
     warm-up runs advance and which must be put back before the real run."""
 
-    def __init__(self, buffers: list[torch.Tensor], device: torch.device, enabled: bool = True, cache=None):
+    def __init__(self, buffers: list[torch.Tensor], device: torch.device, enabled: bool = True, cache=None,
+                 max_graphs: int = MAX_GRAPHS):
         self.buffers = buffers
         self.cache = cache
         self.enabled = enabled and device.type == "cuda"
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.captures = 0  # graphs captured over the engine's life (evicted ones included)
         self.pool = None
         self.streams = capture_streams(device) if self.enabled else None
 
@@ -35,7 +45,12 @@ class StepGraphs:
         graph = self.graphs.get(key)
         captured = graph is None
         if captured:
+            if len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
             graph = self.graphs[key] = self._capture(fn)
+            self.captures += 1
+        else:
+            self.graphs.move_to_end(key)
         graph.replay()
         return captured
 

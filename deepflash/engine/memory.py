@@ -12,7 +12,8 @@ import torch
 
 from ..drafter.features import drafter_window
 from ..kernels.row_formats import row_format
-from . import steps as spec
+from .config import EngineConfig
+from .steps import commits_aside
 
 TAG_BYTES = 8  # int64 position tag per ring slot
 
@@ -43,13 +44,12 @@ def mib(n: int) -> float:
     return n / 2**20
 
 
-def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", feat_ring_cap: int | None = None,
-                trained_ctx: int | None = None, block_size: int | None = None, prefill_chunk: int = 1024,
-                shared_device: bool = True, device: torch.device | str = "cpu", cuda_graphs: bool = True
-                ) -> MemoryPlan:
-    """Bytes by component on `device` (the one the models will run on); `target` / `drafter` may live
-    on the meta device."""
+def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConfig(),
+                device: torch.device | str = "cpu", shared_device: bool = True) -> MemoryPlan:
+    """Bytes by component on `device` (the one the models will run on) of an engine of `config` with a
+    context of max_ctx tokens; `target` / `drafter` may live on the meta device."""
     cfg = target.cfg
+    feature_dtype, block_size = config.feature_dtype, config.block_size
     item = target.dtype.itemsize
     parts = {
         "target weights": target.weight_bytes(),
@@ -61,7 +61,7 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
     block = block_size or (drafter.cfg.block_size if drafter is not None else 1)
     if drafter is not None:
         dcfg = drafter.cfg
-        window = drafter_window(max_ctx, trained_ctx or dcfg.trained_context_length, feat_ring_cap)
+        window = drafter_window(max_ctx, config.trained_ctx or dcfg.trained_context_length, config.feat_ring_cap)
         width = len(dcfg.target_layer_ids) * cfg.hidden_size
         ring_row = width * item
         mirror_row = row_format(feature_dtype).row_bytes(width)
@@ -77,9 +77,9 @@ def plan_memory(target, drafter, max_ctx: int, *, feature_dtype: str = "f32", fe
         parts["drafter mirror"] = 0 if same else slots * (mirror_row + TAG_BYTES) + scales
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
-    parts["workspace"] = _workspace(cfg, item, max_ctx, min(prefill_chunk, max_ctx), block, width)
-    aside = drafter is not None and spec.commits_aside(torch.device(device).type == "cuda", shared_device)
-    parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), cuda_graphs, aside)
+    parts["workspace"] = _workspace(cfg, item, max_ctx, min(config.prefill_chunk, max_ctx), block, width)
+    aside = drafter is not None and commits_aside(torch.device(device).type == "cuda", shared_device)
+    parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), config.cuda_graphs, aside)
     return MemoryPlan(max_ctx, window, feature_dtype, parts)
 
 
@@ -88,7 +88,7 @@ def blas_workspaces(device: torch.device, cuda_graphs: bool, aside: bool) -> int
     32 MiB on Hopper (compute capability 9), else torch's default of 2 x 4 MiB + 8 x 16 KiB
     (CUBLAS_WORKSPACE_CONFIG, which deepflash does not read, changes both). The engine runs on the
     current stream, with CUDA graphs also on one warm-up and one capture stream (graphs.py), and with
-    a drafter on its device on the stream verify steps commit their features on (`aside`, spec.py)."""
+    a drafter on its device on the stream verify steps commit their features on (`aside`, engine/steps.py)."""
     if device.type != "cuda":
         return 0
     each = 32 * 2**20 if torch.cuda.get_device_capability(device)[0] == 9 else 2 * 4 * 2**20 + 8 * 16 * 2**10
@@ -116,15 +116,15 @@ def free_device_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def auto_max_ctx(target, drafter, budget: int, **plan_args) -> int:
+def auto_max_ctx(target, drafter, budget: int, config: EngineConfig, device: torch.device | str) -> int:
     """The largest context (up to the model's) whose plan fits in `budget` bytes; binary search, since
     every component grows with the context."""
     lo, hi = 2, target.cfg.max_position_embeddings
-    if plan_memory(target, drafter, lo, **plan_args).total > budget:
+    if plan_memory(target, drafter, lo, config, device).total > budget:
         return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan_memory(target, drafter, mid, **plan_args).total <= budget:
+        if plan_memory(target, drafter, mid, config, device).total <= budget:
             lo = mid
         else:
             hi = mid - 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from ..loading.weights import EMBEDDED_NAME
 from ..models import TargetModel
 from ..models.base import TARGET_KERNELS
 from ..models.config import ModelConfig
-from .config import DTYPES, EngineConfig
+from .config import DTYPES, RING_CAP_ENV, EngineConfig, context_length, ring_cap_from_env
 from .engine import Engine
 from .memory import MemoryPlan, auto_max_ctx, free_device_bytes, plan_memory
 
@@ -63,6 +63,7 @@ class Runtime:
 
 
 def load_runtime(cfg: EngineConfig) -> Runtime:
+    """Load the pair `cfg` names and build its Engine (the drafter pair is checked there)."""
     cfg = cfg.validated()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -70,30 +71,30 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     tokenizer = load_tokenizer(folder)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
     drafter = load_drafter(draft_path, device, dtype) if draft_path else None
-    if drafter is not None:
-        validate_pair(drafter.cfg, target.cfg, cfg.block_size)
-    max_ctx = cfg.max_ctx
-    plan_args = dict(feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
-                     trained_ctx=cfg.trained_ctx, block_size=cfg.block_size, device=device)
-    if max_ctx == "auto":
-        # weights are loaded already: the budget is what is free now plus what they occupy
-        loaded = target.weight_bytes() + (drafter.weight_bytes() if drafter else 0)
-        budget = free_device_bytes(device) + loaded - cfg.reserve_mb * 2**20
-        max_ctx = auto_max_ctx(target, drafter, budget, **plan_args)
-        if max_ctx < 2:
-            raise UserError(f"the model does not fit in the free memory of {device} with a "
-                            f"{cfg.reserve_mb} MiB reserve")
-    max_ctx = min(max_ctx or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
-    engine = Engine(target, tokenizer, drafter, max_ctx=max_ctx, block_size=cfg.block_size,
-                    feature_dtype=cfg.feature_dtype, feat_ring_cap=cfg.feat_ring_cap,
-                    trained_ctx=cfg.trained_ctx, spec=cfg.spec,
-                    ring_kernels=cfg.ring_kernels, target_kernels=cfg.target_kernels)
-    plan = plan_memory(target, drafter, max_ctx, **plan_args)
+    # weights are loaded already: --max-ctx auto's budget is what is free now plus what they occupy
+    loaded = target.weight_bytes() + (drafter.weight_bytes() if drafter else 0)
+    cfg = replace(cfg, max_ctx=resolve_max_ctx(cfg, target, drafter, device, loaded))
+    engine = Engine(target, tokenizer, drafter, cfg)
+    plan = plan_memory(target, drafter, engine.max_ctx, cfg, device)
     name = cfg.model or EMBEDDED_NAME
     return Runtime(engine, tokenizer, target, drafter, name, str(draft_path) if draft_path else None, plan)
 
 
-def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None, ModelConfig]:
+def resolve_max_ctx(cfg: EngineConfig, target: TargetModel, drafter: DFlashDrafter | None, device: torch.device,
+                    loaded_bytes: int = 0) -> int:
+    """cfg.max_ctx as a number of tokens: 'auto' is the largest context whose memory plan fits what the
+    device has free (plus `loaded_bytes`, the pair's weights where they are loaded already) less the
+    reserve; a number past the model's positions is an error (config.context_length)."""
+    if cfg.max_ctx != "auto":
+        return context_length(cfg.max_ctx, target.cfg.max_position_embeddings)
+    budget = free_device_bytes(device) + loaded_bytes - cfg.reserve_mb * 2**20
+    max_ctx = auto_max_ctx(target, drafter, budget, cfg, device)
+    if max_ctx < 2:
+        raise UserError(f"the model does not fit in the free memory of {device} with a {cfg.reserve_mb} MiB reserve")
+    return max_ctx
+
+
+def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     """The pair built on the meta device from configs alone (memory plans without reading weights)."""
     from ..drafter.checkpoint import resolve_drafter
     from ..drafter.config import DrafterConfig
@@ -111,7 +112,7 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None, M
             dcfg = DrafterConfig.from_hf(read_config(resolve_drafter(str(draft_path))))
             validate_pair(dcfg, tcfg, cfg.block_size)
             drafter = DFlashDrafter(dcfg).to(dtype)
-    return target, drafter, tcfg
+    return target, drafter
 
 
 # --- command-line flags shared by generate, serve and bench -----------------------------------------
@@ -120,14 +121,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model folder, .gguf file or hub id (default: the embedded SmolLM2-135M)")
     g.add_argument("--draft", help="DFlash drafter folder or hub id (default: the shipped one for the embedded model)")
     g.add_argument("--no-draft", action="store_true", help="plain decoding, no drafter")
-    g.add_argument("--block-size", type=int, help="verify block size (at most the drafter's)")
+    g.add_argument("--block-size", type=int, help="verify block size, at most the drafter's (default: the drafter's)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, f32 on CPU), float32, bfloat16, float16")
-    g.add_argument("--max-ctx", type=_max_ctx, help="context length in tokens, or 'auto' (largest that fits)")
+    g.add_argument("--max-ctx", type=_max_ctx, help="context length in tokens, or 'auto' (the largest that fits the free memory); "
+                        "default: the model's max_position_embeddings")
     g.add_argument("--feature-dtype", default="f32", choices=list(FORMATS), help="drafter feature storage")
-    g.add_argument("--feat-ring-cap", type=int, help="lower the feature window (memory valve)")
-    g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length")
+    g.add_argument("--feat-ring-cap", type=int,
+                   help=f"lower the feature window (memory valve; default: {RING_CAP_ENV} if set, else none)")
+    g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length (default: its config's)")
     g.add_argument("--spec", default="auto", choices=["auto", "on", "off"], help="speculation policy")
+    g.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+                   help="prompt tokens per prefill forward (a power of two): bounds prefill's activation memory")
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
                    help="feature-ring kernels (auto: triton on CUDA, else torch)")
     g.add_argument("--target-kernels", default="auto", choices=list(TARGET_KERNELS),
@@ -147,8 +152,10 @@ def _max_ctx(value: str) -> int | str:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The flags of add_engine_args (and the environment's memory valve) as one config."""
+    cap = args.feat_ring_cap if args.feat_ring_cap is not None else ring_cap_from_env()
     return EngineConfig(model=args.model, draft=args.draft, no_draft=args.no_draft, block_size=args.block_size,
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
-                        feature_dtype=args.feature_dtype, feat_ring_cap=args.feat_ring_cap,
-                        trained_ctx=args.trained_ctx, spec=args.spec,
-                        ring_kernels=args.ring_kernels, target_kernels=args.target_kernels)
+                        feature_dtype=args.feature_dtype, feat_ring_cap=cap, trained_ctx=args.trained_ctx,
+                        spec=args.spec, prefill_chunk=args.prefill_chunk, ring_kernels=args.ring_kernels,
+                        target_kernels=args.target_kernels).validated()

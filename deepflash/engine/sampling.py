@@ -6,6 +6,10 @@ position: plain and speculative decoding make the same choice whenever they see 
 and the speculative acceptance rule of REFERENCE 2.4 (accept while the target's sample equals the
 draft) emits exactly the target's samples. Hashing instead of a stateful generator also keeps the
 whole choice on the device with no host round trip.
+
+A request's values (seed, temperature, top-k, top-p) live in device buffers (SamplingBuffers) that the
+steps read, so one captured CUDA graph serves every value: graphs are keyed on the sampling *mode*
+alone (greedy, sampled, sampled with top-k / top-p filtering), never on the values.
 """
 
 from __future__ import annotations
@@ -53,6 +57,44 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def mode(self) -> str:
+        """What the choice computes (the part of a step graph's key that sampling decides): "greedy",
+        "sample" (temperature only) or "filtered" (with top-k and/or top-p)."""
+        if self.greedy:
+            return "greedy"
+        return "filtered" if self.top_k > 0 or self.top_p < 1.0 else "sample"
+
+
+class SamplingBuffers:
+    """A request's sampling values on the device (0-d tensors), written between requests and read by the
+    steps: a captured graph reads the current request's values."""
+
+    def __init__(self, device: torch.device | str):
+        self.seed = torch.zeros((), dtype=torch.int64, device=device)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.top_k = torch.zeros((), dtype=torch.int64, device=device)  # 0: off
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)  # 1: off
+
+    def load(self, params: SamplingParams) -> None:
+        """Host writes (outside any graph): a validated request's values; greedy requests keep temperature 1
+        (unread: greedy steps only take the argmax)."""
+        self.seed.fill_(params.seed or 0)
+        self.temperature.fill_(params.temperature if not params.greedy else 1.0)
+        self.top_k.fill_(params.top_k)
+        self.top_p.fill_(params.top_p)
+
+    @classmethod
+    def of(cls, params: SamplingParams, device: torch.device | str,
+           seeds: list[int] | None = None) -> SamplingBuffers:
+        """params' values on `device`; `seeds`: one per row of the logits instead of params.seed (a batch
+        of requests, train/datagen.py)."""
+        buffers = cls(device)
+        buffers.load(params)
+        if seeds is not None:
+            buffers.seed = torch.tensor(seeds, dtype=torch.int64, device=device)
+        return buffers
+
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """murmur3 finaliser on int64 tensors holding 32-bit values (products wrap; only low bits are kept)."""
@@ -75,20 +117,28 @@ def uniform_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     return (x.to(torch.float64) + 0.5) / 4294967296.0
 
 
-def adjusted_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """float32 logits / temperature with tokens outside top-k and top-p set to -inf (transformers' order)."""
-    scores = logits.float() / params.temperature
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams,
+                    buffers: SamplingBuffers | None = None) -> torch.Tensor:
+    """float32 logits / temperature with tokens outside top-k and top-p set to -inf (transformers' order).
+    The values come from `buffers` (from params where None); params decides only the mode."""
+    values = buffers if buffers is not None else SamplingBuffers.of(params, logits.device)
+    scores = logits.float() / values.temperature
+    return _filtered(scores, values.top_k, values.top_p) if params.mode == "filtered" else scores
+
+
+def _filtered(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p on one descending sort of the scores, with k and p as device values (k = 0 and
+    p = 1 are off): the k-th largest score is the threshold of top-k, and top-p keeps the tokens of the
+    surviving probability mass before the token that crosses p (that token stays)."""
     vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        probs = sorted_scores.softmax(dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= params.top_p  # the token crossing top_p stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores
+    ordered, order = scores.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = ordered.gather(-1, (k - 1).expand(*ordered.shape[:-1], 1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    drop_sorted = (ordered == float("-inf")) | ((top_p < 1.0) & (probs.cumsum(dim=-1) - probs >= top_p))
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -99,13 +149,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def choose(logits: torch.Tensor, positions: torch.Tensor | None, params: SamplingParams,
-           seed: torch.Tensor | None = None) -> torch.Tensor:
+           buffers: SamplingBuffers | None = None) -> torch.Tensor:
     """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled
-    (read when sampling; greedy choices may pass None). `seed` (0-d tensor) overrides params.seed;
-    engines pass a device buffer."""
+    (read when sampling; greedy choices may pass None). Inside a step the engine passes its device
+    `buffers`, whose values the choice reads (params decides only the mode, part of the graph's key);
+    without them the values come from params."""
     if params.greedy:
         return argmax(logits)
-    if seed is None:
-        seed = torch.tensor(params.seed)
-    gumbel = -torch.log(-torch.log(uniform_noise(seed, positions, logits.shape[-1])))
-    return argmax(adjusted_logits(logits, params) + gumbel.float())
+    values = buffers if buffers is not None else SamplingBuffers.of(params, logits.device)
+    gumbel = -torch.log(-torch.log(uniform_noise(values.seed, positions, logits.shape[-1])))
+    return argmax(adjusted_logits(logits, params, values) + gumbel.float())

@@ -21,20 +21,16 @@ from ..drafter.features import FeatureStore
 from ..drafter.model import DFlashDrafter
 from ..kernels.accept import accept
 from ..kernels.mailbox import Mailbox
-from .sampling import SamplingParams, choose
-
-# A verify block's features go to the rings and the drafter's context K/V whatever it accepts (Steps.
-# verify), so on CUDA that work runs on a stream of its own from the moment the taps exist, beside the
-# target's last layers, head and choice, where it ran after them (False: after them on the step's own
-# stream; scripts/gpu/kernels_ab.py --arm "...=spec.OVERLAP_CONTEXT:False")
-OVERLAP_CONTEXT = True
+from .sampling import SamplingBuffers, SamplingParams, choose
 
 
 def commits_aside(cuda: bool, shared_device: bool) -> bool:
-    """Whether verify steps commit features on their own stream (Steps.aside; the memory plan counts its
-    cuBLAS workspace): on CUDA, with the drafter on the target's device (the drafter's work on another
-    device would not follow the stream)."""
-    return OVERLAP_CONTEXT and cuda and shared_device
+    """Whether verify steps commit features on a stream of their own (Steps.aside; the memory plan counts
+    its cuBLAS workspace): a verify block's features go to the rings and the drafter's context K/V whatever
+    it accepts, so on CUDA that work runs from the moment the taps exist, beside the target's last layers,
+    head and choice. With the drafter on the target's device only: its work on another device would not
+    follow the stream."""
+    return cuda and shared_device
 
 
 class StepState:
@@ -52,7 +48,7 @@ class StepState:
         self.blocks = torch.zeros((2, max(block_size, 2)), **long)
         self.drafts = self.blocks[1, 1:]
         self.offsets = torch.arange(max(block_size, 2), **long)  # a block's positions are start + offsets
-        self.seed = torch.zeros((), **long)
+        self.sampling = SamplingBuffers(device)  # the request's sampling values, which every step reads
         self.result = torch.zeros(block_size + 1, **long)  # [accepted drafts, committed tokens...]
         # tokens of the last verify step kept, accepted drafts + 1 (result[0] + 1), stored by the acceptance for
         # cache.keep: computing it from result would add a kernel to every verify step, which attention
@@ -61,8 +57,8 @@ class StepState:
         self.mailbox = Mailbox(slots, block_size + 1, device)  # each decode step posts its result to the host
 
     def buffers(self) -> list[torch.Tensor]:
-        """What the steps write (a capture's warm-up puts them back); the prompt, the offsets and the seed
-        are only read."""
+        """What the steps write (a capture's warm-up puts them back); the prompt, the offsets and the
+        sampling values are only read."""
         return [self.start, self.last, self.blocks, self.result, self.kept, self.mailbox.posted]
 
 
@@ -87,7 +83,7 @@ class Steps:
         tokens = s.prompt.gather(0, positions)
         logits, feats = self.target(tokens[None], positions, self.cache, kv_len, capture=self.taps, logits="last")
         self._commit(positions, feats)
-        token = choose(logits[0], filled(positions[-1:], params), params, s.seed)
+        token = choose(logits[0], filled(positions[-1:], params), params, s.sampling)
         s.result[:1].zero_()
         s.result[1:2].copy_(token)
         s.last.copy_(token)
@@ -100,7 +96,7 @@ class Steps:
         s = self.state
         pos = s.start.view(1)
         logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
-        token = choose(logits[0], filled(pos, params), params, s.seed)
+        token = choose(logits[0], filled(pos, params), params, s.sampling)
         if self.features is not None:
             self.features.store(pos, feats.reshape(-1, feats.shape[-1]))
         s.result[:1].zero_()  # not result[0] = 0: a host scalar copy cannot be captured in a graph
@@ -134,7 +130,7 @@ class Steps:
         # the commit needs the taps alone and starts as soon as they exist (_commit_beside)
         logits, _ = self.target(s.blocks[1:, :size], q_pos, self.cache, kv_len, capture=self.taps,
                                 on_features=functools.partial(self._commit_beside, q_pos))
-        choices = choose(logits[0], filled(q_pos, params), params, s.seed)
+        choices = choose(logits[0], filled(q_pos, params), params, s.sampling)
         accept(s.drafts[: size - 1], choices, s.result, s.last, s.start, s.kept, s.mailbox)
         self.cache.keep(s.kept)
         if self.aside is not None:  # the step ends when the commit has

@@ -4,8 +4,8 @@ the state the next step reads.
 The torch form (accept_torch) runs as about ten small kernels at the end of every speculative step
 (compare, cumulative product, sum, the kept count, copies, a gather, adds), each a launch on the step's
 critical path. Here one program of one warp reads the drafts and the choices and writes everything, the
-same values: on the embedded pair a verify step's time -1.6%, same outputs (scripts/gpu/kernels_ab.py,
-BENCHMARKS.md, forty-third session).
+same values: on the embedded pair a verify step's time -1.6%, same outputs (H200). It also posts the
+result to the host (the mailbox's slot), where a post kernel of its own would run after it.
 """
 
 from __future__ import annotations
@@ -13,19 +13,7 @@ from __future__ import annotations
 import torch
 
 from .mailbox import Mailbox
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
-
-KERNEL = True  # False: the torch form on CUDA too (scripts/gpu/kernels_ab.py --arm "...=accept_kernel.KERNEL:False")
-# the kernel also posts the result to the host (the mailbox's slot), where mailbox.post_kernel ran after it
-# (False: that kernel, scripts/gpu/kernels_ab.py --arm "...=accept_kernel.POSTS:False"): a spec step's device
-# time -0.1% / -0.3% on the embedded pair, no difference beyond the rounds' spread on the random target
-# (BENCHMARKS.md, forty-fifth session)
-POSTS = True
+from .triton_support import tl, triton
 
 
 def accept(drafts: torch.Tensor, choices: torch.Tensor, result: torch.Tensor, last: torch.Tensor,
@@ -33,15 +21,12 @@ def accept(drafts: torch.Tensor, choices: torch.Tensor, result: torch.Tensor, la
     """drafts [B-1] and the target's choices [B] at the block's positions (int64): accepted = the
     longest prefix with drafts[k] == choices[k]; writes result[0] = accepted, result[1:B+1] = choices,
     last = choices[accepted] (the bonus token), kept = accepted + 1, and start += kept; then posts
-    result[:B+1] to the mailbox. The kernel on CUDA (posting too, where the mailbox takes a kernel's
-    writes), accept_torch and Mailbox.post elsewhere."""
-    if not KERNEL or choices.device.type != "cuda" or triton is None:
-        accept_torch(drafts, choices, result, last, start, kept)
-        return mailbox.post(result)
-    posts = POSTS and mailbox.direct
-    accept_kernel(drafts, choices, result, last, start, kept, (mailbox.posted, mailbox.host) if posts else None)
-    if not posts:
-        mailbox.post(result)
+    result[:B+1] to the mailbox. The kernel, posting too, where the mailbox takes a kernel's writes (CUDA
+    with Triton); accept_torch and Mailbox.post elsewhere."""
+    if mailbox.direct:
+        return accept_kernel(drafts, choices, result, last, start, kept, (mailbox.posted, mailbox.host))
+    accept_torch(drafts, choices, result, last, start, kept)
+    mailbox.post(result)
 
 
 def accept_torch(drafts, choices, result, last, start, kept) -> None:

@@ -2,9 +2,9 @@
 
 torch's argmax took 13 us per call for the 1-16 rows of SmolLM2's 49152 logits on an H200: twice per
 speculative step (the draft's and the verify's), 26 of its 1127 us of device time, and once per plain
-step (profile_step.py --short, BENCHMARKS.md, twentieth session). Here each SLICE values of a row go to a
+step (H200 profile). Here each SLICE values of a row go to a
 program of their own, which finds its slice's largest value and where it first occurs; the row's last
-slice to finish (an arrival counter, models/arrivals.py) compares the slices in order. The
+slice to finish (an arrival counter, kernels/arrivals.py) compares the slices in order. The
 result is torch's, index for index: the first largest value, where a NaN counts as the largest (the first
 NaN wins). So greedy outputs do not change, only the time.
 """
@@ -14,12 +14,7 @@ from __future__ import annotations
 import torch
 
 from .arrivals import arrival_counters
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
+from .triton_support import tl, triton
 
 MAX_ROWS = 64  # decode, draft and verify steps; longer inputs keep torch's argmax
 SLICE = 4096  # values per program: 12 programs for a SmolLM2 row, 38 for a Qwen3 one (151936)

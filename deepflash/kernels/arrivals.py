@@ -1,4 +1,4 @@
-"""Arrival counters of the split reductions (models/gemv_kernel.py, argmax_kernel.py): per output, how
+"""Arrival counters of the split reductions (kernels/gemv.py, kernels/argmax.py): per output, how
 many of its programs have finished. Each program adds 1 when its part is stored; the last to arrive
 combines the parts in a fixed order and sets the counter back to 0, so one zeroed array per kernel and
 device serves every call. One per device suffices because a device's steps run one after another on

@@ -7,7 +7,7 @@ one chunk of CHUNK keys; scores and weighted values are matrix products, and a r
 float32 spans them; a second kernel merges the chunks, one program per query token, query head and
 slice of the head dims. Keys past every row's position (the rest of the CUDA-graph bucket) are skipped.
 Programs taking 4 query tokens one after another over the same keys made the verify step slower (6.5
-against 5.0 ms at a 5.8K-token prompt, BENCHMARKS.md, tenth session).
+against 5.0 ms at a 5.8K-token prompt, H200).
 
 A query's result does not depend on the cache span or on the other queries of its step, bit for bit:
 the chunks are fixed, each query runs the same instructions of one binary (T is not specialised) in
@@ -15,58 +15,49 @@ the same row of its tile (tiles are aligned to positions), and the merge walks t
 tiles whose width its position alone sets, and reads none past it. So a verify step computes each
 of its tokens exactly as a one-token decode step at that position would, and greedy speculative
 decoding keeps matching plain decoding under bf16 rounding (with SDPA for the verify and this kernel
-for plain steps it did not: 1 of 6 outputs equal, BENCHMARKS.md, sixth session).
+for plain steps it does not: 1 of 6 outputs equal on an H200).
 
-Chosen with rope_kernel.py (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it on the CPU for the
+Chosen with kernels/rope.py (TargetModel.use_kernels); `TRITON_INTERPRET=1` runs it on the CPU for the
 tests.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from . import pdl
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
+from .triton_support import INTERPRETED, tl, triton
 
 MAX_QUERIES = 64  # steps of at most this many tokens (decode, verify blocks) use the kernel; prefill uses SDPA
 CHUNK = 32  # keys per program: a 512-key span of a 3-kv-head model spreads over 16 programs per tile
 # Query rows per program, tl.dot's least: a tile of ROWS // GROUP_PAD consecutive positions, each with
 # the kv head's query heads (padded to a power of two). The scores and the weighted values are matrix
 # products on the tensor cores: a program per query token, summing products in registers, took 122 us
-# per layer for a 16-token verify at a 5.8K-token prompt against 12 for one token (depth profile,
-# sixteenth session), and 16 rows so summed saved only 13% of it. Tiles are aligned to positions (a
+# per layer for a 16-token verify at a 5.8K-token prompt against 12 for one token (H200 profile at
+# depth), and 16 rows so summed saved only 13% of it. Tiles are aligned to positions (a
 # position's row is position % tokens per tile, whatever the step), since a matrix product's row may
 # round by where it sits in the tile (numpy's does, in the interpreter).
 ROWS = 16
 # The merge reduces a query's chunks in tiles, in a program per (query token, query head, MERGE_DIMS head
 # dims). Its tiles run one after another, so few and wide: with 32-chunk tiles in one program per (token, kv
 # head), plain decode at a 5.8K-token prompt ran 603 tok/s, with 256-chunk ones 771 (SmolLM2-135M on an
-# H200, BENCHMARKS.md, seventh session); 64-chunk tiles cost plain decode 8% at a 5849-token prompt (three
-# tiles in turn, forty-third session). But a wide tile's masked lanes cost a short span's rows their work
-# too: a 16-token verify's merges took 96 us a step against 52 for one token (forty-fourth session). So a
+# H200); 64-chunk tiles cost plain decode 8% at a 5849-token prompt (three tiles in turn). But a wide tile's
+# masked lanes cost a short span's rows their work too: a 16-token verify's merges took 96 us a step against
+# 52 for one token. So a
 # row's tile width follows the chunks it sees (its own position, never the step or the cache span, so a
 # position is merged the same way in every step): the first width of MERGE_TILES that holds them all, the
 # last one's tiles in turn beyond. Against 256 for every row: a spec step's device time -2.4%, plain decode +1.9%
-# on the embedded pair (BENCHMARKS.md, forty-fifth session).
+# on the embedded pair (H200).
 MERGE_TILES = (16, 64, 256)
 # Head dims per merge program: at 64 a spec step's device time -1.8% against 16 (32: -1.5%), short prompts' plain
-# decode -0.3 to -0.8%, but the 5849-token prompt's -3.3% (its rows take the 256-chunk tiles; forty-fifth session).
-# 16 on the 256-chunk tiles alone gave that prompt its plain decode back (1285.8 tok/s) and cost its speculative
-# decode 9% (4539 tok/s against 4975 with 64; forty-sixth and forty-fifth sessions): one width for every tile.
+# decode -0.3 to -0.8%, but the 5849-token prompt's -3.3% (its rows take the 256-chunk tiles). 16 on the
+# 256-chunk tiles alone gave that prompt its plain decode back (1285.8 tok/s) and cost its speculative decode 9%
+# (4539 tok/s against 4975 with 64): one width for every tile.
 MERGE_DIMS = 64
-# warps per merge program (Triton's default); 1, 2 and 8 measured no faster (forty-third session)
+# warps per merge program (Triton's default); 1, 2 and 8 measured no faster
 MERGE_WARPS = 4
-# Triton 3.5's interpreter (the CPU tests) multiplies bfloat16 matrices as if their bits were integers
-# (tl.dot off by 1e10 against torch): there the products run in float32; the GPU keeps the tensor cores
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -143,7 +134,8 @@ if triton is not None:
             written = (n <= seen_by_any)[:, None]
             k = tl.load(k_cache + kv_offsets, mask=written, other=0.0)
             v = tl.load(v_cache + kv_offsets, mask=written, other=0.0)
-            if UPCAST:  # see INTERPRETED
+            if UPCAST:  # Triton's interpreter (the CPU tests) multiplies bfloat16 matrices as if their
+                # bits were integers (tl.dot off by 1e10 against torch): there the products run in float32
                 qv, k, v = qv.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
             # float32 caches (the tests): products and sums in float32, where tf32 would round the inputs
             s = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale  # [rows, CHUNK]

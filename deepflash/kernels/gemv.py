@@ -3,12 +3,11 @@
 A decode step multiplies 1-16 rows by each weight; the GEMM itself streams the weight, and what ran
 before it in a kernel of its own (the residual add + RMSNorm before the q/k/v and gate/up projections,
 silu(gate) * up before the down projection) cost a launch and a round trip through memory each: 3 of a
-fused layer's 9 kernels (profile_step.py, BENCHMARKS.md).
+fused layer's 9 kernels in the profile of a decode step.
 
 The programs split both the weight rows (BLOCK_N) and the reduction (slices of SPAN columns), enough of
 them that every SM has several weight loads in flight: one program walking a whole reduction alone
-streams a weight at a fraction of the copy bandwidth (the nineteenth GPU session measured 0.10 of it on
-Qwen3-8B's down projection). Each program applies the prologue to its slice of the rows (a few KB, read
+streams a weight at a fraction of the copy bandwidth (0.10 of it on Qwen3-8B's down projection, H200). Each program applies the prologue to its slice of the rows (a few KB, read
 from L2). The RMSNorm's 1/rms is a per-row factor of the whole product, so a slice
 multiplies the unnormalised s * gain and sums its squares; the last program of a column block to finish
 (an arrival counter) adds the slices' products and squares in slice order and scales by 1/rms, so the
@@ -16,7 +15,7 @@ result does not depend on which program finishes last.
 
 Rows are a tile of 16 for the tensor-core product, padded with zeros: a row's result depends only on
 that row, bit for bit, whatever the number of rows, so a verify step projects each token exactly as a
-one-token decode step does (decode_kernel.py keeps the same property for attention). More rows than a
+one-token decode step does (attention.py keeps the same property for attention). More rows than a
 tile (prefill) take torch's GEMM after the separate kernels (layers.norm_linear), as do float16 rows:
 the unnormalised s * gain could pass float16's range where the normed rows would not.
 
@@ -32,83 +31,39 @@ import torch
 
 from . import pdl
 from .arrivals import arrival_counters
-from .attention import INTERPRETED
+from .config import ProjectionTiling
+from .triton_support import INTERPRETED, tl, triton
 
-try:
-    import triton
-    import triton.language as tl
+if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
 
-TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16))
-MAX_ROWS = TILE  # inputs with more rows take the separate kernels (0: all do, scripts/gpu/kernels_ab.py)
-# the attention output projections too (layers.output_projection; False: torch's GEMM, scripts/gpu/kernels_ab.py)
-OUTPUT_PROJECTIONS = True
-# Larger weights take torch's GEMM: LM heads (Qwen3-8B's 1.16 GiB, which cuBLAS streams at 1.08 of the copy
-# bandwidth; the fused kernels have nothing to fuse there). Up to SmolLM2-135M's 3.4 MB the time is launch and
-# latency, and one fused kernel costs less than two (nineteenth session); Qwen3-8B's projections (32-192 MiB)
-# with their tiles through TMA (LARGE_CONFIGS) stream at 0.69-0.97 of the copy bandwidth in isolation, their
-# prologues inside, where add + norm (or silu * up) and torch's GEMM took 0.58-0.91 (BENCHMARKS.md, forty-sixth
-# session).
-MAX_WEIGHT_BYTES = 512 << 20
-# weights up to this take CONFIGS, whose times are latency; larger ones LARGE_CONFIGS, whose time is streaming.
-# A projection with no prologue and a weight up to this walks whole reductions (_launch).
-SMALL_WEIGHT_BYTES = 8 << 20
+TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16)); more rows take torch's GEMM
 DTYPES = (torch.bfloat16, torch.float32)
-# (widest reduction, most outputs, (BLOCK_N, BLOCK_K, num_warps, num_stages, weight first, waves, TMA)): the
-# first entry whose bounds a weight [outputs, reduction] is within. Weight first: the product is weight tile @
-# rows.T, the weight on the M side, where Hopper's wgmma runs (M >= 64; 16 rows on that side take mma.sync).
-# Waves: programs per SM that the reduction's split aims for (split). TMA: the weight tiles through a tensor
-# descriptor (Hopper, under a dependent launch; else plain loads). Measured on SmolLM2-135M's projections
-# (scripts/gpu/gemv_bench.py, us at 1 / 16 rows; BENCHMARKS.md forty-second session): q/k/v 64x128x4x4 weight
-# first 3.71 / 4.01 against 3.97 / 4.13; the down projection 32x128x4x4 weight first 4.49 / 4.95 against
-# 64x64x4x6's 4.59 / 5.97 (the 16-row penalty of its 24 slices' parked sums was most of that); gate/up and o
-# keep 32x128x4x4 (forty-first session: fastest at both row counts there; the weight-first forms measured were
-# faster at 1 row and slower at 16). TMA there: plain decode 1312 -> 1262 tok/s (forty-sixth session).
-CONFIGS = ((1024, 640, (32, 128, 4, 4, False, 4, False)),  # o (576 outputs)
-           (1024, 1024, (64, 128, 4, 4, True, 4, False)),  # q/k/v (960)
-           (1024, None, (32, 128, 4, 4, False, 4, False)),  # gate/up (3072)
-           (None, None, (32, 128, 4, 4, True, 4, False)))  # down (1536 wide)
-# Measured on Qwen3-8B's (gemv_bench.py, 1 row, us; forty-sixth session): 64x128x4x3 weight first, 2 waves,
-# TMA: q/k/v 17.6, gate/up 49.2, down 28.5, o 12.5; plain loads 20.7, 51.5, 34.8, 12.0. At most three of these
-# programs fit an SM (~60 KB of shared memory each): 3 waves leave programs for a second round (Qwen3-8B-shaped
-# MBU 0.846 -> 0.709; 4 stages, two an SM: 0.653). 2.9 waves split q/k/v in 4 and down in 6 (384 programs, about
-# three on every SM, where 2 gave 288 and 320: two on some SMs, three on others): q/k/v 17.5 -> 16.6 us, down
-# 29.0 -> 28.7, MBU 0.832 -> 0.844 in the same run; gate/up stays whole (384 column blocks). With it `bench speed`
-# measured MBU 0.855-0.863 on three machines, kernels_ab.py 0.844 on a fourth. Blocks of 16 or 32 weight rows
-# (whole reductions or split) ran q/k/v, gate/up and down 3-17x slower (forty-seventh session).
-LARGE_CONFIGS = ((4096, 4096, (64, 256, 4, 2, True, 2, True)),  # o (4096 wide): 4 slices, 256 programs; 11.5 us
-                 (None, None, (64, 128, 4, 3, True, 2.9, True)))
-WAVES = None  # every shape's waves when set (the tests force splits with it)
-# Reductions of at least this many slices add them in an unrolled loop, all loads in flight (None: never).
-# In isolation, unrolled: SmolLM2's down projection (24 slices) 5.50 -> 4.56 us at 1 row, 6.39 -> 5.93 at 16;
-# its q/k/v and gate/up (9 slices at 64x64x4x6) 0.3-0.5 us slower. From 17 slices (the down projections): a plain
-# step's device time 791 -> 763 us, a spec step's 1099 -> 1070 (profile_step.py --short; BENCHMARKS.md,
-# fortieth session); Qwen3-8B's splits (4-6 slices) unrolled: the same MBU (forty-seventh). The sums and their
-# order are the same either way.
-UNROLL_FROM = 17
 MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
+SHIPPED = ProjectionTiling()
 NORM, ADD_NORM, SILU, PLAIN = 0, 1, 2, 3  # the prologue (PLAIN: none)
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fits(x: torch.Tensor, weight: torch.Tensor, tiling: ProjectionTiling = SHIPPED) -> bool:
     """Whether x's rows and the weight go through these kernels (else torch's GEMM after the separate
     kernels). Never decided by the number of rows within a tile: a verify step must project as a
     decode step does. A weight stored transposed (layers.gemm_layout) takes torch's GEMM."""
-    return x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype in DTYPES and weight.is_contiguous() and small(weight)
+    return (x.numel() // x.shape[-1] <= TILE and x.dtype in DTYPES and weight.is_contiguous()
+            and small(weight, tiling))
 
 
-def small(weight: torch.Tensor) -> bool:
-    """Whether a weight is small enough for these kernels (MAX_WEIGHT_BYTES); larger ones take torch's GEMM."""
-    return weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+def small(weight: torch.Tensor, tiling: ProjectionTiling = SHIPPED) -> bool:
+    """Whether a weight is small enough for these kernels (tiling.max_weight_bytes); larger ones take torch's
+    GEMM."""
+    return tiling.takes(weight)
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None,
-                total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                total: torch.Tensor | None = None, tiling: ProjectionTiling = SHIPPED
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s) * gain @ weight.T + bias) with s = x + delta (x when delta is None), rounded to
-    x's dtype as layer_kernels.add_rms_norm rounds it; s * gain is rounded to the weight's dtype and the
+    x's dtype as layer_ops.add_rms_norm rounds it; s * gain is rounded to the weight's dtype and the
     float32 product scaled by 1/rms (the module docstring). `total`: where s goes (a feature tap reads
     it there: layers.tap); a new tensor when None."""
     if delta is None:
@@ -116,27 +71,30 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor,
     elif total is None:
         total = torch.empty_like(x)
     out = _launch(ADD_NORM if delta is not None else NORM, x, x if delta is None else delta, gain, total,
-                  weight, bias, x.shape[-1], eps)
+                  weight, bias, x.shape[-1], eps, tiling)
     return total, out
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tiling: ProjectionTiling = SHIPPED) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T + bias of a fused gate/up projection's output [..., 2I] (gate
-    first), the product rounded to the weight's dtype as layer_kernels.silu_mul's output is."""
-    return _launch(SILU, gate_up, gate_up, weight, gate_up, weight, bias, gate_up.shape[-1] // 2, 0.0)
+    first), the product rounded to the weight's dtype as layer_ops.silu_mul's output is."""
+    return _launch(SILU, gate_up, gate_up, weight, gate_up, weight, bias, gate_up.shape[-1] // 2, 0.0, tiling)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiling: ProjectionTiling = SHIPPED) -> torch.Tensor:
     """x @ weight.T + bias with no prologue (an attention output projection), each program walking its
     whole reduction (_launch): on SmolLM2-135M's o projection faster than torch's GEMM alone, and a kernel
     launched as a dependent (pdl.py) where torch's GEMM ended the chain of dependent launches in every
-    layer: decode +2.9% (BENCHMARKS.md, twenty-first session)."""
-    return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0)
+    layer: decode +2.9% (H200)."""
+    return _launch(PLAIN, x, x, weight, x, weight, bias, x.shape[-1], 0.0, tiling)
 
 
-def config(width: int, outputs: int, nbytes: int) -> tuple[int, int, int, int, bool, float, bool]:
-    """The tiling of a weight [outputs, width] of nbytes (CONFIGS, LARGE_CONFIGS)."""
-    table = CONFIGS if nbytes <= SMALL_WEIGHT_BYTES else LARGE_CONFIGS
+def config(width: int, outputs: int, nbytes: int, tiling: ProjectionTiling = SHIPPED
+           ) -> tuple[int, int, int, int, bool, float, bool]:
+    """The tiling of a weight [outputs, width] of nbytes (tiling.small or tiling.large)."""
+    table = tiling.small if nbytes <= tiling.small_weight_bytes else tiling.large
     return next(c for max_width, max_outputs, c in table
                 if (max_width is None or width <= max_width) and (max_outputs is None or outputs <= max_outputs))
 
@@ -146,33 +104,33 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def split(blocks: int, steps: int, device: torch.device, waves: float) -> tuple[int, int]:
-    """(slices, BLOCK_K steps per slice) of a reduction of `steps` steps over `blocks` column blocks:
-    about `waves` programs per SM (0: one slice; a fraction aims between whole counts), every slice
-    non-empty. It depends on the shapes only, never on the number of rows, so a verify step sums each
-    row in the same order as a decode step."""
-    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(int(_sms(device) * waves), blocks))))
+def split(blocks: int, steps: int, sms: int, waves: float) -> tuple[int, int]:
+    """(slices, BLOCK_K steps per slice) of a reduction of `steps` steps over `blocks` column blocks on a
+    device of `sms` SMs: about `waves` programs per SM (0: one slice; a fraction aims between whole
+    counts), every slice non-empty. It depends on the shapes only, never on the number of rows, so a
+    verify step sums each row in the same order as a decode step."""
+    per = triton.cdiv(steps, min(steps, max(1, triton.cdiv(int(sms * waves), blocks))))
     return triton.cdiv(steps, per), per
 
 
-def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tensor:
+def _launch(mode, x, delta, gain, total, weight, bias, width, eps, tiling: ProjectionTiling) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     assert rows <= TILE and weight.shape[1] == width and weight.is_contiguous(), (rows, weight.shape, width)
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=weight.dtype, device=x.device)
     upcast = weight.dtype == torch.float32 or INTERPRETED
     nbytes = weight.numel() * weight.element_size()
-    block_n, block_k, warps, stages, weight_first, waves, tma = config(width, n, nbytes)
+    block_n, block_k, warps, stages, weight_first, waves, tma = config(width, n, nbytes, tiling)
     # the upcast products are a [16, BLOCK_N, BLOCK_K] tensor: a smaller slice of the reduction
     block_k = min(32 if upcast else block_k, max(16, triton.next_power_of_2(width)))
     blocks = triton.cdiv(n, block_n)
     assert blocks <= MAX_BLOCKS, (n, block_n)
     # no prologue: each program walks its whole reduction, whose loads then pipeline (SmolLM2's o
-    # projection: 3.2 us against 4.2-4.8 split, scripts/gpu/gemv_bench.py, twenty-first session); a larger
-    # weight (gemv_bench.py's Qwen3-8B o projection) splits: whole, its 32 column blocks would leave most SMs idle
-    whole = mode == PLAIN and nbytes <= SMALL_WEIGHT_BYTES
-    waves = 0 if whole else waves if WAVES is None else WAVES
-    slices, steps = split(blocks, triton.cdiv(width, block_k), x.device, waves)
+    # projection: 3.2 us against 4.2-4.8 split, H200); a larger weight (Qwen3-8B's o projection) splits:
+    # whole, its 32 column blocks would leave most SMs idle
+    whole = mode == PLAIN and nbytes <= tiling.small_weight_bytes
+    waves = 0 if whole else waves if tiling.waves is None else tiling.waves
+    slices, steps = split(blocks, triton.cdiv(width, block_k), _sms(x.device), waves)
     # the slices' float32 products [slices, rows, n], then their squares [blocks, slices, 16]
     squares_at = slices * rows * n if slices > 1 else 0
     partial = torch.empty(squares_at + slices * blocks * TILE, dtype=torch.float32, device=x.device)
@@ -185,7 +143,7 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps) -> torch.Tens
         x.contiguous(), delta.contiguous(), gain, total, weight, tiles, weight if bias is None else bias, out,
         partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode,
         HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=UNROLL_FROM is not None and slices >= UNROLL_FROM,
+        BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=tiling.unroll_from is not None and slices >= tiling.unroll_from,
         WEIGHT_FIRST=weight_first and not upcast, TMA=tma, num_warps=warps, num_stages=stages, launch_pdl=dependent)
     return out
 
@@ -258,7 +216,7 @@ if triton is not None:
             else:
                 w = tl.load(weight + cols[:, None] * WIDTH + k[None, :],
                             mask=(cols < n)[:, None] & (k < WIDTH)[None, :], other=0.0)
-            if UPCAST:  # float32 weights (tf32 would round them), or bfloat16 in the interpreter (decode_kernel.py):
+            if UPCAST:  # float32 weights (tf32 would round them), or bfloat16 in the interpreter (kernels/attention.py):
                 # products summed per row, where numpy's matrix product rounds a row by its place in the tile
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             elif WEIGHT_FIRST:

@@ -4,7 +4,7 @@ kernels of a decode step, whose launches and round trips through memory cost mor
 arithmetic (profile_step.py: the adds and the silu / multiply took ~160 of the SmolLM2-135M-shaped
 step's 1412 us). Chosen with the target's other Triton kernels (TargetModel.use_kernels);
 `TRITON_INTERPRET=1` runs them on the CPU for the tests. Decode and verify steps fold both into the
-projection after them (gemv_kernel.py); these serve longer inputs (prefill), MoE layers and the final
+projection after them (kernels/gemv.py); these serve longer inputs (prefill), MoE layers and the final
 norm.
 """
 
@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
+from .triton_support import tl, triton
 
 SILU_BLOCK = 1024  # values of a row per silu_mul program
 
@@ -45,7 +41,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
     # a row split over programs of SILU_BLOCK values: one program per row ran Qwen3-8B's 12288 values on
-    # one SM, 6.5 us per layer (BENCHMARKS.md, seventh session's profile)
+    # one SM, 6.5 us per layer (H200 profile)
     _silu_mul[(gate_up.numel() // (2 * width), triton.cdiv(width, SILU_BLOCK))](gate_up, out, width, BLOCK=SILU_BLOCK)
     return out
 

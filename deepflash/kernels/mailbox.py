@@ -2,11 +2,11 @@
 
 Each decode step ends with a kernel that writes its result (StepState.result) into a slot of page-locked
 host memory, which the GPU addresses directly (unified addressing), tagged with the step's number; the
-host reads the slot once the step's event has completed. Before, the host queued a device-to-host copy
-after every step graph: the copy engine waited for the step, and the next step for the copy (under the
-profiler the GPU idled ~6 us before the copy and ~20 us after it, per step: profile_step.py --timeline).
-Posted by this kernel instead: plain decode +0.8% / +2.3%, a spec step's device time -0.8% / -0.9%, same
-outputs (scripts/gpu/kernels_ab.py on the embedded pair, two rounds, forty-fourth session).
+host reads the slot once the step's event has completed. A device-to-host copy queued after every step
+graph instead makes the copy engine wait for the step, and the next step for the copy (under the profiler
+the GPU idled ~6 us before the copy and ~20 us after it, per step); against it, posting by this kernel
+measured plain decode +0.8% / +2.3% and a spec step's device time -0.8% / -0.9% on the embedded pair (H200,
+two rounds), same outputs. Off CUDA the step writes the host slot with torch ops.
 
 Slots are reused in turn; the engine keeps fewer steps in flight than there are slots, so a slot is read
 before a later step rewrites it, and the tag makes a step read in the wrong slot an error, not a wrong
@@ -17,15 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
-
-# False: the step writes its slot in device memory and the engine copies it to the host after the step,
-# as before (scripts/gpu/kernels_ab.py --arm "copy=mailbox.KERNEL:False")
-KERNEL = True
+from .triton_support import require, tl, triton
 
 
 class Mailbox:
@@ -34,30 +26,23 @@ class Mailbox:
 
     def __init__(self, slots: int, width: int, device: torch.device):
         self.slots, self.width = slots, width
-        cuda = device.type == "cuda"
-        self.host = torch.full((slots, width + 1), -1, dtype=torch.long, pin_memory=cuda)
+        # on CUDA the device writes the host slots through the kernel (direct); elsewhere the step itself
+        self.direct = device.type == "cuda"
+        if self.direct:
+            require()
+        self.host = torch.full((slots, width + 1), -1, dtype=torch.long, pin_memory=self.direct)
         self.posted = torch.zeros((), dtype=torch.long, device=device)
-        self.direct = cuda and KERNEL and triton is not None
-        # where a step writes without the kernel: the host slots themselves on the CPU, else device memory
-        # copied after the step (send)
-        self.staged = self.host if not cuda else torch.full_like(self.host, -1, device=device)
 
     def post(self, result: torch.Tensor) -> None:
         """Inside a step: result [width] to slot posted % slots, tagged with posted; posted += 1."""
         if self.direct:
             return post_kernel(result, self.posted, self.host)
         row = torch.cat([self.posted.view(1), result[: self.width]])
-        self.staged.index_copy_(0, (self.posted % self.slots).view(1).to(self.staged.device), row[None])
+        self.host.index_copy_(0, (self.posted % self.slots).view(1), row[None])
         self.posted += 1
 
-    def send(self, number: int) -> None:
-        """After step `number` is queued: its slot to the host where the step could not write it there."""
-        if not self.direct and self.staged is not self.host:
-            slot = number % self.slots
-            self.host[slot].copy_(self.staged[slot], non_blocking=True)
-
     def read(self, number: int, count: int) -> list[int]:
-        """The first `count` values of step `number`'s result, once the step (and send) has completed."""
+        """The first `count` values of step `number`'s result, once the step has completed."""
         row = self.host[number % self.slots].tolist()
         if row[0] != number:
             raise RuntimeError(f"step result slot {number % self.slots} holds step {row[0]}, expected {number}")

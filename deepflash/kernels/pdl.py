@@ -3,11 +3,11 @@
 A kernel launched as a dependent may start while the kernel before it finishes: its programs are placed
 and wait on the device (`gdc_wait`) for the previous kernel's end and writes before they read or write
 anything, so only the launch and the programs' start overlap the previous kernel's tail. A decode step
-is hundreds of short kernels (profile_step.py), and each boundary costs a launch gap. Each kernel that
-runs so calls `gdc_launch_dependents` once its main work is done, letting the next one be placed.
-On (`ENABLED`): with the fused projections on an H200 it raised plain decode from 1072-1080 to 1173-1174
-tok/s and spec-on from 1905-1939 to 2045-2049, same outputs (scripts/gpu/kernels_ab.py, BENCHMARKS.md,
-twentieth session).
+is hundreds of short kernels, and each boundary costs a launch gap. Each kernel that runs so calls
+`gdc_launch_dependents` once its main work is done, letting the next one be placed, and only after its
+own `gdc_wait` (the chunk and merge kernels rely on it). With the fused projections on an H200 this
+raised plain decode from 1072-1080 to 1173-1174 tok/s and spec-on from 1905-1939 to 2045-2049, same
+outputs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-ENABLED = True
+from .triton_support import INTERPRETED
 
 
 @functools.cache
@@ -25,7 +25,6 @@ def _hopper(device: torch.device) -> bool:
 
 
 def dependent(device: torch.device) -> bool:
-    """Whether a kernel on `device` launches as a dependent (its GDC constexpr and `launch_pdl`)."""
-    from .attention import INTERPRETED  # here: decode_kernel imports this module
-
-    return ENABLED and not INTERPRETED and _hopper(device)
+    """Whether a kernel on `device` launches as a dependent (its GDC constexpr and `launch_pdl`): on Hopper
+    and later, not in Triton's interpreter."""
+    return not INTERPRETED and _hopper(device)

@@ -1,26 +1,24 @@
 """Feature-ring kernels in Triton: encode + scatter of a run of rows in one pass, and decode in one pass.
 
-quant.py's torch forms run a q4_0 write as about 15 kernels and reach 3% of the device's copy bandwidth
+kernels/row_formats.py's torch forms run a q4_0 write as about 15 kernels and reach 3% of the device's copy bandwidth
 (BENCHMARKS.md); these write each output byte once. One program handles GROUPS blocks of 32 values of
 one row: it loads them, converts or quantizes them (per-block scale, rounding and nibble packing exactly
-as quant.py, in float32 with IEEE division and no fused multiply-add, so the bytes are the same), and
+as kernels/row_formats.py, in float32 with IEEE division and no fused multiply-add, so the bytes are the same), and
 stores them at slot = position % capacity, plus the slot's position tag. Decoding is the inverse, for a
 contiguous run of stored rows. A q4_0 write loads a block as its two halves of 16 values (low and high
 nibbles), and a q4_0 decode stores it so, so neither shuffles registers (the decode's interleave of the
-halves went through shared memory: 240 sm_90 instructions per 32-block program against 152; the halves
-dequantize 15% faster on the H200, twenty-second session). With SCALED, a write multiplies the rows by a
+halves would go through shared memory: 240 sm_90 instructions per 32-block program against 152; the
+halves dequantize 15% faster on the H200). With SCALED, a write multiplies the rows by a
 per-channel scale as it loads them and a decode multiplies by its inverse (features.storage_scale). A
 program's work items are the same columns of ITEMS consecutive rows, so it loads that scale once for
 all of them.
-Loaded per value (4 bytes as float32 next to q4_0's 0.56), the scaled dequantize measured 0.50-0.52 of
-the copy bandwidth where the tenth session's unscaled one had reached 0.84-0.89, part of that gap
-run-to-run noise (fourteenth session); rings now hold the scale in bf16 (2 bytes, exact for its powers
-of two), which raised the scaled writes 6-18% (q4_0 at 8192 rows 0.68 -> 0.80 of the copy bandwidth;
-thirty-first session). `bench rings` times both, and with `--triton-shapes`
+Rings hold the scale in bf16 (2 bytes, exact for its powers of two): loaded as float32 (4 bytes per
+value next to q4_0's 0.56) the scaled writes ran 6-18% slower (q4_0 at 8192 rows 0.68 against 0.80 of the
+copy bandwidth, H200). `bench rings` times the scaled and unscaled forms, and with `--triton-shapes`
 shapes whose ITEMS > 1 share the scale.
 
-A block format's write was bound by instructions, not memory (a q8_0 block took ~37 warp instructions
-where an f32 one takes ~10; 0.57 / 0.60 of the copy bandwidth, BENCHMARKS.md, ninth session). So it
+A block format's write is bound by instructions, not memory (a straightforward q8_0 block takes ~37 warp
+instructions where an f32 one takes ~10: 0.57 / 0.60 of the copy bandwidth on an H200). So it
 stores the codes as 16-bit pairs (the block stride, 34 or 18 bytes, leaves them 2-byte aligned), the
 fp16 scale as one 16-bit store, rounds by a truncating conversion, and finds q4_0's peak from the
 block's largest and smallest values, searching positions only in a tile with a +m / -m tie: ~25 (q8_0)
@@ -39,53 +37,24 @@ CPU, which is how the tests check them without a GPU.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 import torch
 
+from .config import Shape
 from .row_formats import QK, RowFormat
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
+from .triton_support import tl, triton
 
 CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
 
-@dataclass(frozen=True)
-class Shape:
-    groups: int  # blocks of 32 values per work item (a row's run of GROUPS x 32 values)
-    warps: int  # per program
-    items: int = 1  # consecutive work items per program
-    stages: int = 1  # > 1: an item's loads are issued that many items ahead
-
-    def __str__(self) -> str:
-        return "x".join(str(v) for v in (self.groups, self.warps, self.items, self.stages))
-
-
 # q8_0: the write at 32x2 and the decode at 64x2 beat their earlier shapes at 8192 and at 65,536 rows
-# under CUDA graphs (twenty-fifth session)
+# under CUDA graphs (H200)
 SHAPES = {("write", "q4_0"): Shape(32, 1), ("write", "q8_0"): Shape(32, 2), ("decode", "q8_0"): Shape(64, 2)}
 DEFAULT_SHAPE = Shape(32, 4)
-_override: Shape | None = None
 
 
-@contextlib.contextmanager
-def shape_override(shape: Shape):
-    """Run every kernel with this shape inside the block: how bench rings times other shapes."""
-    global _override
-    _override = shape
-    try:
-        yield
-    finally:
-        _override = None
-
-
-def _shape(kernel: str, fmt: RowFormat) -> Shape:
-    return _override or SHAPES.get((kernel, fmt.name), DEFAULT_SHAPE)
+def shipped_shape(kernel: str, fmt: RowFormat) -> Shape:
+    """How `kernel` ("write" or "decode") cuts its work for `fmt` (SHAPES, else DEFAULT_SHAPE)."""
+    return SHAPES.get((kernel, fmt.name), DEFAULT_SHAPE)
 
 
 def _launch(kernel, shape: Shape, n: int, width: int, *args, **constexprs) -> None:
@@ -98,29 +67,25 @@ def _launch(kernel, shape: Shape, n: int, width: int, *args, **constexprs) -> No
                                                      enable_fp_fusion=False, **constexprs)
 
 
-def available() -> bool:
-    return triton is not None
-
-
 def write(fmt: RowFormat, data: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
-          rows: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+          rows: torch.Tensor, scale: torch.Tensor | None = None, shape: Shape | None = None) -> None:
     """Encode rows [n, width] (times `scale` [width], bf16 or float32, if given) and store them at slot =
-    position % capacity, tags included."""
+    position % capacity, tags included. shape: the work's cut (bench rings times others; shipped_shape)."""
     n, width = rows.shape
     rows = rows.contiguous()
-    _launch(_write, _shape("write", fmt), n, width, rows, positions, data, tags, rows if scale is None else scale,
+    _launch(_write, shape or shipped_shape("write", fmt), n, width, rows, positions, data, tags, rows if scale is None else scale,
             data.shape[1], data.shape[0], FMT=CODES[fmt.name], BLOCK_BYTES=fmt.block_bytes,
             SCALED=scale is not None)
 
 
 def decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32,
-           inverse: torch.Tensor | None = None) -> torch.Tensor:
+           inverse: torch.Tensor | None = None, shape: Shape | None = None) -> torch.Tensor:
     """Stored rows [n, row elements] -> values [n, width] in dtype (times `inverse` [width], bf16 or
-    float32, if given)."""
+    float32, if given). shape: as write's."""
     width = data.shape[1] if fmt.dtype is not None else data.shape[1] // fmt.block_bytes * QK
     data = data.contiguous()
     out = torch.empty((data.shape[0], width), dtype=dtype, device=data.device)
-    _launch(_decode, _shape("decode", fmt), data.shape[0], width, data, out, out if inverse is None else inverse,
+    _launch(_decode, shape or shipped_shape("decode", fmt), data.shape[0], width, data, out, out if inverse is None else inverse,
             data.shape[1], FMT=CODES[fmt.name], BLOCK_BYTES=fmt.block_bytes, SCALED=inverse is not None)
     return out
 

@@ -3,8 +3,8 @@ optional per-head q/k RMSNorm (Qwen3), rotary embedding of q and k, and the cach
 
 The torch form (llama.Attention) runs these as 5-8 small kernels per layer: a decode step of the
 SmolLM2-135M-shaped target spent 263 of its 1412 device microseconds in the rope multiplies, the roll
-and the two cache index_copies (profile_step.py, BENCHMARKS.md). Here one program handles one head of
-TOKENS tokens: it loads the head's rows of the fused projection output, normalises and rotates them in
+and the two cache index_copies (H200 profile). Here one program handles one head of
+a tile of tokens (config.ROPE_TOKENS): it loads the head's rows of the fused projection output, normalises and rotates them in
 float32 (rounding once, where the torch form rounds after every operation), and stores q in the
 [B, H, T, D] layout attention reads without a copy, or k / v at their cache slot. Chosen per model
 (TargetModel.use_kernels; the default on CUDA for llama-family targets); `TRITON_INTERPRET=1` runs it
@@ -16,34 +16,17 @@ from __future__ import annotations
 import torch
 
 from . import pdl
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU builds do not bring Triton
-    triton = None
-
-
-# Tokens per program: a tile of TOKENS rows of one head (the rest of the tile masked). A verify step's 16
-# tokens then take one program per head, not sixteen; each row is computed alone (elementwise, and the
-# q/k norm sums one row), so a token's result does not depend on the tile it falls in (another TOKENS may
-# add a q/k norm's squares in another order: the drafter's k norm, forty-third session). Against 1 token per
-# program: a spec step's rope kernels 54.6 -> 48.2 us of device time, a plain step's unchanged
-# (profile_step.py --short), the embedded pair's verify time -0.15% (BENCHMARKS.md, forty-third session).
-TOKENS = 16
-
-
-def available() -> bool:
-    return triton is not None
+from .config import ROPE_TOKENS
+from .triton_support import tl, triton
 
 
 def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 0.0) -> torch.Tensor:
+                   eps: float = 0.0, tokens: int = ROPE_TOKENS) -> torch.Tensor:
     """qkv [B, T, (H + 2 Hkv) * D] (the fused projection output), rope tables [T, rot] from Rotary,
     positions [T], caches [B, Hkv, S, D]. Writes rotated k and v at slot = position; returns rotated
-    q [B, H, T, D]. q_norm / k_norm: per-head RMSNorm gains (both or neither)."""
+    q [B, H, T, D]. q_norm / k_norm: per-head RMSNorm gains (both or neither). tokens: per program."""
     b, t, width = qkv.shape
     dim = width // (heads + 2 * kv_heads)
     rot = cos.shape[-1]
@@ -53,10 +36,10 @@ def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     q = torch.empty((b, heads, t, dim), dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
     dependent = pdl.dependent(qkv.device)  # a programmatic dependent launch (pdl.py)
-    _rope_and_write[(b * triton.cdiv(t, TOKENS), heads + 2 * kv_heads)](
+    _rope_and_write[(b * triton.cdiv(t, tokens), heads + 2 * kv_heads)](
         qkv, cos.contiguous(), signed_sin.contiguous(), positions, q, k_cache, v_cache,
         q_norm if norm else qkv, k_norm if norm else qkv, t, k_cache.shape[2], eps,
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm, TOKENS=TOKENS, GDC=dependent,
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROT=rot, NORM=norm, TOKENS=tokens, GDC=dependent,
         launch_pdl=dependent)
     return q
 

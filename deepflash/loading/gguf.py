@@ -15,19 +15,7 @@ from safetensors.torch import save_file
 from ..errors import UserError
 from ..progress import progress
 
-# --- GGUF -------------------------------------------------------------------------------------------
 GGUF_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
-
-
-def cache_root() -> Path:
-    """DEEPFLASH_CACHE, else $XDG_CACHE_HOME/deepflash, else ~/.cache/deepflash."""
-    env = os.environ.get("DEEPFLASH_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepflash"
-
-
-
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -53,6 +41,14 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+def cache_root() -> Path:
+    """DEEPFLASH_CACHE, else $XDG_CACHE_HOME/deepflash, else ~/.cache/deepflash."""
+    env = os.environ.get("DEEPFLASH_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepflash"
 
 
 def gguf_folder(path: Path) -> Path:
@@ -84,11 +80,20 @@ def gguf_folder(path: Path) -> Path:
     return folder
 
 
-def _convert_gguf(path: Path, out: Path) -> None:
+def _read_gguf(path: Path):
+    """The file's GGUFReader; a file that is not one (text, truncated, corrupt) is the user's error."""
     from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, EOFError) as err:
+        raise UserError(f"{path} is not a readable GGUF file ({err})") from None
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = _read_gguf(path)
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]

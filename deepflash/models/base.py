@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..kernels.config import SHIPPED, KernelConfig
 from .config import ModelConfig
 from .layers import FusedProjections, embedding_rows, final_norm, tap
 
@@ -39,25 +40,25 @@ class TargetModel(FusedProjections):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
-    def use_kernels(self, kind: str) -> TargetModel:
+    def use_kernels(self, kind: str, config: KernelConfig = SHIPPED) -> TargetModel:
         """'auto' (on CUDA the target class's auto_kernels, else torch), 'torch' or 'triton': with
-        'triton' the layers that have a Triton form use it (rope_kernel.py for
-        q/k norm, rope and the cache write; decode_kernel.py for decode and verify steps' attention;
-        layer_kernels.py for the residual add + norm and SwiGLU's silu * up)."""
+        'triton' the layers that have a Triton form use it, tuned by `config` (kernels/rope.py for q/k
+        norm, rope and the cache write; kernels/attention.py for decode and verify steps' attention;
+        kernels/gemv.py and kernels/layer_ops.py for the projections with the residual add + norm or
+        SwiGLU's silu * up before them). Each such layer's `kernels` is then the config, else None."""
         if kind not in TARGET_KERNELS:
             raise UserError(f"target kernels must be one of {', '.join(TARGET_KERNELS)}, got {kind!r}")
-        from ..kernels.rope import available
+        from ..kernels.triton_support import require, usable
 
         layers = [module for module in self.modules() if hasattr(module, "kernels")]
         if kind == "auto":
-            kind = self.auto_kernels if self.device.type == "cuda" and available() else "torch"
+            kind = self.auto_kernels if usable(self.device) else "torch"
         if kind == "triton":
-            if not available():
-                raise UserError("target kernels 'triton' need the triton package (it comes with CUDA builds of torch)")
+            require()
             if not layers:
                 raise UserError(f"{type(self).__name__} has no Triton kernels; use target kernels 'torch'")
         for module in layers:
-            module.kernels = kind
+            module.kernels = config if kind == "triton" else None
         return self
 
     def tie_weights(self) -> None:

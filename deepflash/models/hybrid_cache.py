@@ -1,7 +1,7 @@
 """The cache of a hybrid model: KV for the full-attention layers, conv and recurrent states for the
 Gated DeltaNet layers, and what `keep` needs to roll those states back exactly.
 
-Attention KV rolls back for free (kv.py). Recurrent states do not: after a verify forward over T tokens
+Attention KV rolls back for free (models/kv_cache.py). Recurrent states do not: after a verify forward over T tokens
 they have absorbed all T, and keep(n) must leave them exactly as if only the first n had been fed.
 A recorded forward first copies the states into `start_conv_all` / `start_state_all`; then, by `rollback`:
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.config import SHIPPED, KernelConfig, ProjectionTiling
 from .config import RopeConfig
 from .kv_cache import causal_mask
 
@@ -16,7 +18,7 @@ from .kv_cache import causal_mask
 def embedding_rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """embedding(ids) as an indexing gather, which spreads the rows over the GPU: nn.Embedding's
     index_select kernel took 6.6 us for a 16-token block against 1.8 us for one token in the spec step's
-    profile (profile_step.py --short, twentieth session). The same rows, bit for bit."""
+    profile (H200). The same rows, bit for bit."""
     return embedding.weight[ids]
 
 
@@ -59,7 +61,7 @@ def tap(x: torch.Tensor | Pending, next_norm: nn.Module):
 
 
 def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual, normed) by the Triton kernel (layer_kernels.add_rms_norm) of a layer input that is one
+    """(residual, normed) by the Triton kernel (layer_ops.add_rms_norm) of a layer input that is one
     tensor or a fused layer's Pending output: the pending add runs inside the norm's kernel."""
     from ..kernels.layer_ops import add_rms_norm  # imports Triton: only where it is used
 
@@ -72,27 +74,28 @@ def _parts(x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor | None
     return (x.residual, x.delta, x.total) if isinstance(x, Pending) else (x, None, None)
 
 
-def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tiling: ProjectionTiling = SHIPPED.projections) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, projection of the normed residual) of a fused layer's input: for a decode or verify
-    step's few rows one kernel (gemv_kernel.norm_linear: add, norm and GEMV), else fused_norm's kernel
-    and torch's GEMM."""
-    from ..kernels import gemv as gemv_kernel  # imports Triton: only where it is used
+    step's few rows one kernel (kernels/gemv.py norm_linear: add, norm and GEMV), else fused_norm's
+    kernel and torch's GEMM."""
+    from ..kernels import gemv  # imports Triton: only where it is used
 
     residual, delta, total = _parts(x)
-    if not gemv_kernel.fits(residual, weight):
+    if not gemv.fits(residual, weight, tiling):
         residual, hidden = fused_norm(norm, x)
         return residual, F.linear(hidden, weight, bias)
-    return gemv_kernel.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total)
+    return gemv.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total, tiling)
 
 
-def output_projection(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def output_projection(proj: nn.Linear, x: torch.Tensor, tiling: ProjectionTiling = SHIPPED.projections
+                      ) -> torch.Tensor:
     """proj(x) for an attention output on the Triton kernels: for a decode or verify step's few rows
-    gemv_kernel.linear (a dependent launch like the kernels around it), else torch's GEMM."""
-    from ..kernels import gemv as gemv_kernel  # imports Triton: only where it is used
+    kernels/gemv.py linear (a dependent launch like the kernels around it), else torch's GEMM."""
+    from ..kernels import gemv  # imports Triton: only where it is used
 
-    if gemv_kernel.OUTPUT_PROJECTIONS and gemv_kernel.fits(x, proj.weight):
-        return gemv_kernel.linear(x, proj.weight, proj.bias)
+    if gemv.fits(x, proj.weight, tiling):
+        return gemv.linear(x, proj.weight, proj.bias, tiling)
     return proj(x)
 
 
@@ -206,30 +209,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
-COLUMN_MAJOR_DEVICES = ("cuda",)  # where gemm_layout stores large weights transposed (tests add "cpu")
+def read_by_torch_gemm(weight: torch.Tensor) -> bool:
+    """The weights stored transposed (gemm_layout): on CUDA, those torch's GEMM reads in decode steps, past
+    the projection kernels' size (an LM head)."""
+    return weight.device.type == "cuda" and not SHIPPED.projections.takes(weight)
 
 
-def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
-    """The [N, K] weight, stored as its transpose (strides (1, N): the same values and shape) where torch's
-    GEMM reads it in decode steps: not gemv_kernel.small (an LM head), on CUDA. cuBLAS then reads the weight
-    untransposed, which streamed Qwen3-8B's q/k/v, gate/up, down and LM head weights 3-8% faster for 1
-    and 16 rows (scripts/gpu/blas_layouts.py, BENCHMARKS.md, twenty-third session). Other weights, and
-    one already stored so, come back as they are."""
-    from ..kernels import gemv as gemv_kernel
-
-    if (weight.device.type not in COLUMN_MAJOR_DEVICES or weight.dim() != 2 or weight.stride(-1) != 1
-            or gemv_kernel.small(weight)):
+def gemm_layout(weight: torch.Tensor, transposed: Callable[[torch.Tensor], bool] = read_by_torch_gemm
+                ) -> torch.Tensor:
+    """The [N, K] weight, stored as its transpose (strides (1, N): the same values and shape) where
+    `transposed` says so. cuBLAS then reads the weight untransposed, which streamed Qwen3-8B's q/k/v,
+    gate/up, down and LM head weights 3-8% faster for 1 and 16 rows (H200). Other weights, and one
+    already stored so, come back as they are."""
+    if weight.dim() != 2 or weight.stride(-1) != 1 or not transposed(weight):
         return weight
     return weight.t().contiguous().t()
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(*linears: nn.Linear, transposed: Callable[[torch.Tensor], bool] = read_by_torch_gemm
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linears that read the same input, so that one GEMM replaces
     several: a decode step is bound by kernel launches and weight reads, and one larger GEMV does better
     on both. The linears' parameters become views into the fused tensors, so names, state_dict and
     weight accounting are unchanged and nothing is stored twice. Frozen (inference) models only:
     gradients would reach the fused tensor, not the parameters. The fused weight takes gemm_layout."""
-    weight = gemm_layout(torch.cat([m.weight.detach() for m in linears]))
+    weight = gemm_layout(torch.cat([m.weight.detach() for m in linears]), transposed)
     bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
     row = 0
     for m in linears:
@@ -246,18 +250,23 @@ class FusedProjections(nn.Module):
     `fuse_projections`, fuse_linears). The fusion survives .to() and friends."""
 
     fused = False  # set by fuse_projections
+    transposed = staticmethod(read_by_torch_gemm)  # which weights gemm_layout stores transposed
 
-    def fuse_projections(self):
+    def fuse_projections(self, transposed: Callable[[torch.Tensor], bool] | None = None):
         """Fuse, then give the linears' own large weights gemm_layout (the fused ones have it); an
-        embedding's table keeps its rows even where an LM head shares it (tied)."""
+        embedding's table keeps its rows even where an LM head shares it (tied). `transposed`: which
+        weights to store transposed, kept for later fusions (.to()); read_by_torch_gemm by default (tests
+        ask for others to check the layout on the CPU)."""
+        if transposed is not None:
+            self.transposed = transposed
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
+                module.fuse_projections(self.transposed)
         tables = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         for module in self.modules():
             if isinstance(module, nn.Linear) and id(module.weight) not in tables:
                 weight = module.weight.detach()
-                laid = gemm_layout(weight)
+                laid = gemm_layout(weight, self.transposed)
                 if laid is not weight:
                     module.weight = nn.Parameter(laid, requires_grad=False)
         self.fused = True
@@ -280,32 +289,28 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self.kernels = "torch"  # or "triton" (fused targets: TargetModel.use_kernels)
+        self.kernels: KernelConfig | None = None  # Triton's with this tuning, else torch's (use_kernels)
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, transposed: Callable[[torch.Tensor], bool] = read_by_torch_gemm) -> None:
         """gate and up as one GEMM (fuse_linears); trained modules (the drafter in training) stay unfused."""
-        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj, transposed=transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if self.kernels == "triton":
-            return self.kernel_forward(x)
+        if self.kernels is not None:
+            return self.down(F.linear(x, *self.gate_up), self.kernels.projections)
         gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused form with silu(gate) * up as one kernel (layer_kernels.py)."""
-        return self.down(F.linear(x, *self.gate_up))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def down(self, gate_up: torch.Tensor, tiling: ProjectionTiling = SHIPPED.projections) -> torch.Tensor:
         """down_proj(silu(gate) * up) of the fused gate/up output on the Triton kernels: for a decode or
-        verify step's few rows one kernel (gemv_kernel.silu_linear), else silu_mul's and torch's GEMM."""
-        from ..kernels import gemv as gemv_kernel
+        verify step's few rows one kernel (kernels/gemv.py silu_linear), else silu_mul's and torch's GEMM."""
+        from ..kernels import gemv
         from ..kernels.layer_ops import silu_mul
 
-        if gemv_kernel.fits(gate_up, self.down_proj.weight):
-            return gemv_kernel.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        if gemv.fits(gate_up, self.down_proj.weight, tiling):
+            return gemv.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias, tiling)
         return self.down_proj(silu_mul(gate_up))
 
 

@@ -9,24 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.config import KernelConfig
 from .base import TargetModel
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import (
-    DECODE,
-    MLP,
-    Pending,
-    RMSNorm,
-    Rotary,
-    SparseMoe,
-    apply_rotary,
-    attention,
-    forward_mask,
-    fuse_linears,
-    fused_norm,
-    norm_linear,
-    output_projection,
-)
+from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask,
+                     fuse_linears, fused_norm, norm_linear, output_projection, read_by_torch_gemm)
 
 
 class Attention(nn.Module):
@@ -44,13 +32,14 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, transposed=read_by_torch_gemm) -> None:
         """q, k and v as one GEMM (layers.fuse_linears); done when the model is built."""
-        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, transposed=transposed)
 
-    def kernel_forward(self, qkv, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
+    def kernel_forward(self, qkv, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask,
+                       kernels: KernelConfig):
         """The Triton form from the fused q/k/v projection's output (DecoderLayer.fused_forward projects
-        inside its norm's kernel): q/k norm, rope and the cache write as one kernel (rope_kernel.py),
+        inside its norm's kernel): q/k norm, rope and the cache write as one kernel (kernels/rope.py),
         then attention and o_proj."""
         from ..kernels.attention import decode_attention  # imports Triton: only where it is used
         from ..kernels.rope import rope_and_write
@@ -58,7 +47,7 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
         q = rope_and_write(qkv, cos, sin, positions, cache.k[layer], cache.v[layer], self.heads, self.kv_heads,
-                           *norms)
+                           *norms, tokens=kernels.rope_tokens)
         # decode and verify steps (LlamaModel.attention_mask): one kernel for both, so that a verified
         # token is computed exactly as a decoded one
         if mask is DECODE:
@@ -66,7 +55,7 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(layer, kv_len)
             out = attention(q, keys, values, mask)
-        return output_projection(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
+        return output_projection(self.o_proj, out.transpose(1, 2).reshape(b, t, -1), kernels.projections)
 
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape
@@ -96,10 +85,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.kernels = "torch"  # or "triton": TargetModel.use_kernels
+        self.kernels: KernelConfig | None = None  # Triton's with this tuning, else torch's (use_kernels)
 
     def forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
-        if self.kernels == "triton":
+        if self.kernels is not None:
             return self.fused_forward(x, cos, sin, positions, cache, layer, kv_len, mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -107,16 +96,17 @@ class DecoderLayer(nn.Module):
     def fused_forward(self, x, cos, sin, positions, cache, layer, kv_len, mask):
         """The Triton form: each residual add and norm runs inside the projection after it (layers.
         norm_linear: for a decode step's few rows one kernel each with the q/k/v and gate/up GEMVs,
-        gemv_kernel.py), silu(gate) * up inside the down projection, and the layer hands its MLP output
+        kernels/gemv.py), silu(gate) * up inside the down projection, and the layer hands its MLP output
         on unadded (layers.Pending) for the next layer's input norm, or the final norm, to add. x is such
         a Pending output or the embeddings (layer 0)."""
-        x, qkv = norm_linear(self.input_layernorm, x, *self.self_attn.qkv)
-        attn = self.self_attn.kernel_forward(qkv, cos, sin, positions, cache, layer, kv_len, mask)
+        tiling = self.kernels.projections
+        x, qkv = norm_linear(self.input_layernorm, x, *self.self_attn.qkv, tiling=tiling)
+        attn = self.self_attn.kernel_forward(qkv, cos, sin, positions, cache, layer, kv_len, mask, self.kernels)
         if isinstance(self.mlp, SparseMoe):
             x, h = fused_norm(self.post_attention_layernorm, Pending(x, attn))
             return Pending(x, self.mlp(h))
-        x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, attn), *self.mlp.gate_up)
-        return Pending(x, self.mlp.down(gate_up))
+        x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, attn), *self.mlp.gate_up, tiling=tiling)
+        return Pending(x, self.mlp.down(gate_up, tiling))
 
 
 class Backbone(nn.Module):
@@ -131,9 +121,9 @@ class LlamaModel(TargetModel):
     """forward(tokens [B,T], positions [T], cache, kv_len) -> (logits, features)."""
 
     # on an H200, decode 1.2x (Qwen3-8B shape) to 2.0x (SmolLM2, end to end) faster than on torch's
-    # kernels, and the same greedy output from plain and speculative decoding (BENCHMARKS.md, seventh session)
+    # kernels, and the same greedy output from plain and speculative decoding
     auto_kernels = "triton"
-    kernels = "torch"  # or "triton": TargetModel.use_kernels sets it with its layers'
+    kernels: KernelConfig | None = None  # TargetModel.use_kernels sets it with its layers'
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -149,7 +139,7 @@ class LlamaModel(TargetModel):
         from ..kernels.attention import MAX_QUERIES
 
         t = positions.shape[-1]
-        if self.kernels == "triton" and key_mask is None and t <= MAX_QUERIES and t != kv_len:
+        if self.kernels is not None and key_mask is None and t <= MAX_QUERIES and t != kv_len:
             return DECODE
         return forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, dtype)
 

@@ -2,8 +2,9 @@
 
 The Engine is synchronous and owns a single KV cache, so requests never run concurrently: handlers put
 a Job on a bounded queue and await its chunks, which the worker passes to the event loop with
-call_soon_threadsafe. Between chunks the worker looks at the job's cancel flag, so a client that leaves
-frees the engine after at most one more decode step.
+call_soon_threadsafe. Between chunks the worker looks at the job's cancel flag, and the engine asks it
+between prefill pieces, so a client that leaves frees the engine after at most one more decode step or
+about two prefill pieces.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import queue
 import threading
 import time
 
-from ..engine.engine import Chunk, Engine, Result
+from ..engine.engine import Cancelled, Chunk, Engine, Result
 from ..engine.sampling import SamplingParams
 from .metrics import ServerMetrics
 
@@ -107,11 +108,17 @@ class EngineWorker:
             self._current = None
 
     def _run(self, job: Job) -> None:
+        def cancelled() -> bool:
+            return job.cancelled.is_set() or self._stopping.is_set()
+
         # engine.generate is a generator: nothing runs before next(), and closing it ends the generation
-        with contextlib.closing(self.engine.generate(job.prompt_ids, job.params)) as chunks:
+        with contextlib.closing(self.engine.generate(job.prompt_ids, job.params, cancelled)) as chunks:
             index, since = 0, job.submitted
-            while not (job.cancelled.is_set() or self._stopping.is_set()):
-                chunk = next(chunks)
+            while not cancelled():
+                try:
+                    chunk = next(chunks)
+                except Cancelled:
+                    break
                 now = time.perf_counter()
                 self.metrics.observe_chunk(index, chunk, now - since)
                 index, since = index + 1, now

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..engine.graphs import StepGraphs
-from ..engine.sampling import SamplingParams, choose
+from ..engine.sampling import SamplingBuffers, SamplingParams, choose
 from ..engine.stats import PhaseTimer
 from ..progress import bar
 from .prompts import Task
@@ -49,14 +49,14 @@ def generate_batch(target, prompts: list[list[int]], max_new: int, stop_ids: fro
         hi = min(longest, lo + prefill_chunk)
         logits, _ = target(tokens[:, lo:hi], torch.arange(lo, hi, device=device), cache, hi, key_mask=key_mask,
                            logits="last" if hi == longest else "none")
-    seed = torch.tensor(seeds, device=device)
+    sampling = SamplingBuffers.of(params, device, seeds)
     pos = torch.full((1,), longest, device=device)  # position of the newest chosen token
-    token = choose(logits[:, -1], pos.expand(b), params, seed)
+    token = choose(logits[:, -1], pos.expand(b), params, sampling)
     timer.stop()
 
     def step() -> None:  # feed the newest token at `pos`, choose the one after it
         step_logits, _ = target(token[:, None], pos, cache, total, key_mask=key_mask)
-        token.copy_(choose(step_logits[:, -1], (pos + 1).expand(b), params, seed))
+        token.copy_(choose(step_logits[:, -1], (pos + 1).expand(b), params, sampling))
         pos.add_(1)
 
     graphs = StepGraphs([pos, token], device, enabled=cuda_graphs, cache=cache)
@@ -149,7 +149,7 @@ def recall_ids(tokenizer, task: Task) -> list[int]:
     text, the repeat's closing newline was a token of its own where the opening merges it with the next
     line's indent, a last token the opening never has there, and the embedded target copied from the opening
     about half as much (14.6% of its 6-grams found only there against 26.5%, and 1.1% against 12.5% from
-    beyond 4096 tokens, on 8 CPU prompts: BENCHMARKS.md, "The recall prompts' seam")."""
+    beyond 4096 tokens, on 8 prompts on the CPU)."""
     ids = tokenizer.encode(task.text)
     if not task.again:
         return ids

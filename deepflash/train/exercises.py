@@ -5,9 +5,9 @@ examples. Each answer's first function that parses with a docstring gives its he
 "complete" request worded like bench accept's HumanEval ones. The text is the target's own, so no
 evaluation source enters training. Short algorithmic functions are what HumanEval asks for and what the
 site-packages tasks rarely are: on the CPU the shipped drafter walked 40 such requests at 3.10, HumanEval's
-first 40 at 3.06 and the data's write requests at 3.21, all within each other's 95% intervals
-(BENCHMARKS.md, "Exercises the target writes"). Trained on, 3000 of them raised HumanEval AL 2.0% on the
-GPU where as many drawn tasks gave 0.8% (twenty-eighth GPU session).
+first 40 at 3.06 and the data's write requests at 3.21, all within each other's 95% intervals.
+Trained on, 3000 of them raised HumanEval AL 2.0% on the
+GPU where as many drawn tasks gave 0.8% (H200).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .datagen import generate_batch
 from .prompts import SHORT_TASKS, Task, _header, parse_quietly
 
 # the short algorithmic functions of an introductory programming course: with the first 32 topics, 3000
-# exercises had 1835 distinct function names, 214 of them palindromes or fibonacci numbers (twenty-eighth session)
+# exercises had 1835 distinct function names, 214 of them palindromes or fibonacci numbers
 TOPICS = ("strings", "lists of numbers", "prime numbers", "dictionaries", "sorting", "dates", "matrices",
           "palindromes", "vowels", "binary numbers", "fibonacci numbers", "anagrams", "word counts", "averages",
           "intervals", "brackets", "digits of a number", "tuples", "sets", "rounding", "leap years", "temperatures",

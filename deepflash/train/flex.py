@@ -3,7 +3,7 @@
 Compiled with dynamic shapes: training batches come in many lengths (context rounded up to --pad-to,
 sequences per part), and compiled for static shapes each was a new compile, until dynamo's recompile
 limit (8) sent the rest to the unfused path, which materializes every score: 6.07 s a step against the
-explicit mask's 0.65 (BENCHMARKS.md, third session). The mask_mod (masks.training_mask_mod) reads the
+explicit mask's 0.65 (H200). The mask_mod (masks.training_mask_mod) reads the
 context length from a tensor for the same reason: a Python int would be guarded on."""
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def walked_acceptance(anchors: list[int], accepted: list[int], end: int) -> tupl
     at every response position: each step commits its block's accepted drafts plus the target's own
     token, and the next block is anchored after them. Averaging over every anchor instead weighs the
     positions inside easy runs, which a step skips, and overstated the AL (HumanEval: 2.86 against 2.31
-    walked and 2.27-2.28 measured by the engine; twelfth session)."""
+    walked and 2.27-2.28 measured by the engine)."""
     by_anchor = dict(zip(anchors, accepted))
     steps = tokens = 0
     p = anchors[0] if anchors else end

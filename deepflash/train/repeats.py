@@ -3,8 +3,8 @@
 A recall prompt (datagen.recall_ids) is a long opening followed by its own first tokens again: every
 token of that repeat has its source exactly the opening's length back, beyond 4096 tokens in the far
 recall data. Its response holds only --max-new-tokens positions to anchor on, and a drafter trained on
-those learned to copy from ~1500 tokens back but barely from 4500 (BENCHMARKS.md, "Thirty-sixth GPU
-session"). Marking the repeat as loss positions gives every such sequence thousands of far-copy
+those learned to copy from ~1500 tokens back but barely from 4500 (H200, recall prompts by distance).
+Marking the repeat as loss positions gives every such sequence thousands of far-copy
 anchors for the one target pass it costs. Labels there are the text's tokens, which the target copies
 where it can; with --distill they are the target's own distributions, whatever it would have said.
 """

@@ -116,7 +116,7 @@ def iter_batches(seqs: list[Sequence], batch_tokens: int, generator: torch.Gener
     """One epoch of length_batches in random order. With long_share, the batches of sequences longer than
     long_tokens are a random subset (drawn anew each epoch) that makes up at most that share of the epoch:
     grouped by tokens, a few thousand long recall prompts otherwise take most steps (86% of them on the
-    thirty-eighth session's data) and the short chats' share, which HumanEval AL follows, shrinks."""
+    shipped drafter's data) and the short chats' share, which HumanEval AL follows, shrinks."""
     batches = length_batches(seqs, batch_tokens)
     if long_share is not None:
         short, long = split_long(batches, long_tokens)

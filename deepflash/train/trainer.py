@@ -85,9 +85,8 @@ class TrainConfig:
     gamma: float | None = None
     seed: int = 0
     log_every: int = 10
-    # an evaluation of 32 held-out sequences (up to 256 random blocks each) and a checkpoint took ~2 s
-    # together on an H200, next to ~0.15 s per step (twelfth session); evaluate() now puts a block at every
-    # response position, up to twice as many, so both run half as often as before
+    # an evaluation (a block at every response position of the held-out sequences) and a checkpoint take
+    # ~4 s together on an H200, next to ~0.15 s per step
     eval_every: int = 400
     ckpt_every: int = 400
     eval_fraction: float = 0.02  # held out by content (shards.split_held_out), the same in every run
@@ -205,7 +204,7 @@ MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as bo
 # blocks for every sequence, however short), not with the batch's tokens: a part of 48 short sequences
 # (196,608 queries) had 54 GiB allocated when it ran out of memory beside a second training run on an
 # H200. On batches of ~22 short sequences this bound took the peak from 14.5 to 9.4 GiB for 1% more
-# time per step (twenty-second session, profile_train.py --part-queries)
+# time per step (scripts/gpu/profile_train.py)
 PART_QUERIES = 1 << 16
 # Trainer.deep_eval: held-out sequences that copy from beyond this many tokens back, read with the whole context
 # and with the drafter's window capped here (the sliding window of existing engines that lost acceptance on
@@ -411,7 +410,7 @@ class Trainer:
     def _sdpa_backends(self):
         """All SDPA backends but cuDNN attention, unless --cudnn-attention: every sequence length is a
         new shape, for which cuDNN builds a new plan on the host (an H200 step took 1.76 s with it,
-        0.22 s without; 0.19 s also with --pad-to 256: BENCHMARKS.md, fourth session)."""
+        0.22 s without; 0.19 s also with --pad-to 256)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backends = [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,

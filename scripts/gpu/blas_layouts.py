@@ -1,11 +1,8 @@
-"""How fast torch's GEMM streams Qwen3-8B's decode projections, by weight layout and BLAS library.
-
-`gemv_bench.py` measured torch's GEMM alone at 0.60-0.94 of the copy bandwidth on these weights (q/k/v
-0.65, o 0.60, down 0.77, gate/up 0.94), and the Qwen3-8B-shaped decode at 0.74-0.76 MBU: its
-projections are most of a step's bytes. This times, per projection and row count, F.linear on the
-engine's [N, K] weight, x @ W with the weight stored [K, N], torch.mv (one row), and F.linear with
-cuBLASLt preferred; device time per call (CUDA graphs, cycling over weight copies so each call reads
-its weight from memory) and its fraction of the copy bandwidth.
+"""How fast torch's GEMM streams Qwen3-8B's decode projections, by weight layout and BLAS library: the
+measurement behind models/layers.gemm_layout (the stored layout of weights that take torch's GEMM).
+Per projection and row count: F.linear on the engine's [N, K] weight, x @ W with the weight stored [K, N],
+torch.mv (one row), and F.linear with cuBLASLt preferred; device time per call (CUDA graphs, cycling over
+weight copies so each call reads its weight from memory) and its fraction of the copy bandwidth.
 Usage: python3 scripts/gpu/blas_layouts.py [--rows 1,16] [--out F]
 Ends with one JSON line."""
 

@@ -1,21 +1,15 @@
 #!/usr/bin/env bash
-# What a chain made, into $OUT, in pieces under the 16 MiB limit. A run brings back at most 8 files and
-# 64 MiB (the twenty-third session's last wait.sh made 12 and lost the drafter and results to the limit),
-# so each part comes in a run of its own:
-#   collect.sh            results (JSON, PNG, logs, the drafters' config.json and training.json) as one
-#                         archive and the picked drafter's weights: 3 files, ~25 MB (wait.sh runs this)
-#   collect.sh candidate  the run's own drafter where pick kept another (a later session can continue
-#                         it: carried as .stage/candidate, INIT_FROM=/root/stage/candidate; without it
-#                         the sixteenth session lost its 5-layer one)
-#   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter, its weight
-#                         average where it keeps one (the thirty-fifth and thirty-sixth sessions' came back as
-#                         last weights), arm-a.part*, arm-b.part* (~25 MB each), with the results, its
-#                         config.json and training.json (the checkpoint's step, and "weights": "ema" for the
-#                         average) as results/arm-*-config.json, -training.json (wait.sh runs this
-#                         before pick: the twenty-seventh session's machine went back before pick and both arms
-#                         were lost; the twenty-eighth's arm A shipped from these parts)
-#   collect.sh data [N]   the generated token shards, for the next session to carry (.stage/data.tgz.part*;
-#                         never committed): parts N.. (default 0), four at most (60 MB) per run
+# What a chain made, into $OUT, in pieces under the limits of what a call brings back (8 files, 16 MiB each):
+#   collect.sh            results (JSON, logs, the drafters' config.json and training.json) as one archive and
+#                         the picked drafter's weights in 15 MB parts (wait.sh runs this once pick has run)
+#   collect.sh candidate  the run's own drafter where pick kept another, to continue it later (carried as
+#                         .stage/candidate, INIT_FROM=/root/stage/candidate)
+#   collect.sh arms       while training: each arm's latest checkpoint exported as a drafter (its weight average
+#                         where the run keeps one), arm-a.part*, arm-b.part*, with the results and its
+#                         config.json and training.json as results/arm-*-config.json, -training.json (wait.sh
+#                         runs this before pick, should the machine go back before the chain ends)
+#   collect.sh data [N]   the generated token shards as data.tgz.part* (15 MB each), for a later chain to carry
+#                         (.stage/data.tgz.part*; not committed): parts N.. (default 0), four per call
 set -uo pipefail
 cd /root/deepflash
 D=deepflash/drafters/smollm2-135m

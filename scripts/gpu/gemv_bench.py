@@ -1,15 +1,15 @@
-"""A decode step's projections with their prologue fused in (models/gemv_kernel.py) against the separate
-kernels they replace (layer_kernels' add + norm or silu * up, then torch's GEMM) and torch's GEMM alone:
+"""A decode step's projections with their prologue fused in (deepflash/kernels/gemv.py) against the separate
+kernels they replace (layer_ops' add + norm or silu * up, then torch's GEMM) and torch's GEMM alone:
 device time per call (CUDA graphs; the calls cycle over enough copies of the weight that it is read from
 memory, as in a model, not from L2) and the weight bytes per second as a fraction of the device copy
-bandwidth. Each (BLOCK_N, BLOCK_K, warps, stages, weight first, TMA) of --configs with each programs-per-SM
-target of --waves (how far the reduction is split), under each --arm's module switches
-(ab_setup.parse_arm; none when no --arm is given), is timed; the best is reported, with
-its largest difference from the separate kernels' output relative to that output's largest magnitude.
-Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu) and o (none)
-in bf16.
+bandwidth. Without --configs the shipped tiling (kernels.config.ProjectionTiling) is timed; with it, each
+(BLOCK_N, BLOCK_K, warps, stages, weight first, TMA) of --configs with each programs-per-SM target of
+--waves (how far the reduction is split), passed to the kernels as a ProjectionTiling; the best is
+reported, with its largest difference from the separate kernels' output relative to that output's largest
+magnitude. Shapes: SmolLM2-135M's and Qwen3-8B's q/k/v (add + norm), gate/up (add + norm), down (silu)
+and o (none) in bf16.
 Usage: python3 scripts/gpu/gemv_bench.py [--configs 16x128x4x3,64x128x4x4w,64x128x4x3wt,...] [--waves 4,8]
-[--rows 1,16] [--models smollm2] [--arm "unrolled=models.gemv_kernel.UNROLL_FROM:2" ...] [--plain] [--out F]
+[--rows 1,16] [--models smollm2] [--unroll-from N|none] [--plain] [--out F]
 Ends with one JSON line."""
 
 import argparse
@@ -17,15 +17,14 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from ab_setup import parse_arm, set_switches
 
 from deepflash.bench.common import copy_bandwidth, finish, graph_seconds
 from deepflash.kernels import gemv as gemv_kernel
+from deepflash.kernels.config import ProjectionTiling
 from deepflash.kernels.layer_ops import add_rms_norm, silu_mul
 
 # name: (hidden, q/k/v rows, intermediate, query heads x head dim)
 MODELS = {"smollm2": (576, (9 + 2 * 3) * 64, 1536, 9 * 64), "qwen3-8b": (4096, (32 + 2 * 8) * 128, 12288, 32 * 128)}
-DEFAULT_CONFIGS = "16x128x4x3,32x128x4x3,64x64x4x4"
 L2_BYTES = 60 * 2**20
 DEVICE = "cuda"
 
@@ -45,12 +44,18 @@ def silu_then_gemm(gate_up, weight):
 
 def plain_case(name: str, shape: tuple[int, int], x: torch.Tensor):
     """A projection with no prologue (gemv_kernel.linear): its separate form is the GEMM alone."""
-    return name, shape, partial(gemv_kernel.linear, x), partial(F.linear, x), partial(F.linear, x)
+    return name, shape, partial(tiled, gemv_kernel.linear, x), partial(F.linear, x), partial(F.linear, x)
+
+
+def tiled(kernel, *args):
+    """kernel(*args[:-2], weight, tiling=tiling) from (..., tiling, weight): the fused call of a tiling."""
+    *inputs, tiling, weight = args
+    return kernel(*inputs, weight, tiling=tiling)
 
 
 def cases(rows: int, models: list[str], plain: bool):
-    """(name, weight shape, fused call, separate calls, GEMM-only call), each taking the weight, per
-    projection of each model; with `plain` also q/k/v, gate/up and down with no prologue, which tells what
+    """(name, weight shape, fused call taking (tiling, weight), separate and GEMM-only calls taking the
+    weight), per projection of each model; with `plain` also q/k/v, gate/up and down with no prologue, which tells what
     the add + norm or silu * up costs a tiling."""
     for model in models:
         hidden, qkv, inner, heads_dims = MODELS[model]
@@ -58,11 +63,11 @@ def cases(rows: int, models: list[str], plain: bool):
         gain = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
         gate_up = torch.randn(rows, 2 * inner, device=DEVICE, dtype=torch.bfloat16)
         for proj, shape in (("qkv", (qkv, hidden)), ("gate_up", (2 * inner, hidden))):
-            yield (f"{model} {proj}", shape, partial(gemv_kernel.norm_linear, x, delta, gain, 1e-6),
+            yield (f"{model} {proj}", shape, partial(tiled, gemv_kernel.norm_linear, x, delta, gain, 1e-6),
                    partial(norm_then_gemm, x, delta, gain), partial(F.linear, x))
             if plain:
                 yield plain_case(f"{model} {proj} plain", shape, x)
-        yield (f"{model} down", (hidden, inner), partial(gemv_kernel.silu_linear, gate_up),
+        yield (f"{model} down", (hidden, inner), partial(tiled, gemv_kernel.silu_linear, gate_up),
                partial(silu_then_gemm, gate_up), partial(F.linear, silu_mul(gate_up)))
         if plain:
             yield plain_case(f"{model} down plain", (hidden, inner), silu_mul(gate_up))
@@ -73,7 +78,7 @@ def cases(rows: int, models: list[str], plain: bool):
 
 def parse_config(text: str) -> tuple:
     """BLOCK_NxBLOCK_KxWARPSxSTAGES and its flags, "w": the weight as the product's first operand, "t": its tiles
-    through TMA (gemv_kernel.CONFIGS): (BLOCK_N, BLOCK_K, warps, stages, weight first, TMA)."""
+    through TMA (kernels.config.ProjectionTiling): (BLOCK_N, BLOCK_K, warps, stages, weight first, TMA)."""
     bare = text.rstrip("wt")
     return (*map(int, bare.split("x")), "w" in text[len(bare):], "t" in text[len(bare):])
 
@@ -88,19 +93,26 @@ def cycled(call, weights):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_NxBLOCK_KxWARPSxSTAGES[w][t],...")
-    ap.add_argument("--waves", default="4,8", help="programs per SM of the reduction's split")
+    ap.add_argument("--configs", help="BLOCK_NxBLOCK_KxWARPSxSTAGES[w][t],... (default: the shipped tiling)")
+    ap.add_argument("--waves", default="4,8", help="programs per SM of the reduction's split (with --configs)")
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--models", default=",".join(MODELS), help="of " + ", ".join(MODELS))
-    ap.add_argument("--arm", action="append", default=[], metavar="NAME=SWITCH;...",
-                    help="module switches the variants run under, e.g. 'rolled=models.gemv_kernel.UNROLL_FROM:None'")
+    ap.add_argument("--unroll-from", default=str(ProjectionTiling.unroll_from),
+                    help="reductions of at least this many slices add them unrolled (none: never)")
     ap.add_argument("--plain", action="store_true", help="also q/k/v, gate/up and down with no prologue")
     ap.add_argument("--out")
     args = ap.parse_args()
-    arms = dict(map(parse_arm, args.arm)) or {"": {}}
+    unroll = None if args.unroll_from.lower() == "none" else int(args.unroll_from)
     bandwidth = copy_bandwidth(torch.device(DEVICE))
-    configs = [parse_config(c) for c in args.configs.split(",")]
-    variants = [(arm, c, float(w)) for arm in arms for c in configs for w in args.waves.split(",")]
+    variants = {"shipped": ProjectionTiling(unroll_from=unroll)}
+    for config in [parse_config(c) for c in args.configs.split(",")] if args.configs else []:
+        for waves in map(float, args.waves.split(",")):
+            table = ((None, None, (*config[:5], waves, config[5])),)
+            flags = ("w" if config[4] else "") + ("t" if config[5] else "")
+            variants[f"{'x'.join(map(str, config[:4]))}{flags} waves {waves}"] = ProjectionTiling(
+                small=table, large=table, unroll_from=unroll)
+    if args.configs:
+        del variants["shipped"]
     results = []
     for rows in map(int, args.rows.split(",")):
         for name, shape, fused, separate, gemm in cases(rows, args.models.split(","), args.plain):
@@ -111,16 +123,11 @@ def main():
                    "separate_us": 1e6 * graph_seconds(cycled(separate, weights), calls=1) / copies,
                    "gemm_only_us": 1e6 * graph_seconds(cycled(gemm, weights), calls=1) / copies, "fused_us": {}}
             errors, want = {}, separate(weights[0]).float()
-            for arm, config, waves in variants:
-                tiling = (None, None, (*config[:5], waves, config[5])),
-                before = set_switches({(gemv_kernel, "CONFIGS"): tiling, (gemv_kernel, "LARGE_CONFIGS"): tiling,
-                                       **arms[arm]})
-                flags = ("w" if config[4] else "") + ("t" if config[5] else "")
-                variant = f"{arm} {'x'.join(map(str, config[:4]))}{flags} waves {waves}".strip()
-                row["fused_us"][variant] = 1e6 * graph_seconds(cycled(fused, weights), calls=1) / copies
-                got = fused_output(fused, weights[0]).float()
+            for variant, tiling in variants.items():
+                call = partial(fused, tiling)
+                row["fused_us"][variant] = 1e6 * graph_seconds(cycled(call, weights), calls=1) / copies
+                got = fused_output(call, weights[0]).float()
                 errors[variant] = ((got - want).abs().max() / want.abs().max()).item()
-                set_switches(before)
             best = min(row["fused_us"], key=row["fused_us"].get)
             row["best_config"], row["best_us"], row["best_error"] = best, row["fused_us"][best], errors[best]
             row["largest_error"] = max(errors.values())

@@ -14,6 +14,7 @@ from deepflash.bench.accept import measure
 from deepflash.bench.common import embedded_pair
 from deepflash.bench.prompts import humaneval_messages
 from deepflash.drafter.checkpoint import load_drafter
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.sampling import SamplingParams
 
@@ -37,13 +38,13 @@ def main():
             rows.append({"drafter": path, "error": "missing"})
             continue
         size = (Path(path) / "model.safetensors").stat().st_size
-        if size > MAX_BYTES:  # the repo ships at most 25 MB (issue 6): not measured, never picked
+        if size > MAX_BYTES:  # the repository ships at most 25 MB: not measured, never picked
             rows.append({"drafter": path, "bytes": size, "error": f"over {MAX_BYTES} bytes"})
             continue
         drafter = load_drafter(path, dev, dtype)
         # the pick is by AL: one pass (its tok/s includes the first uses of graphs and kernels)
-        r, _ = measure(Engine(target, tok, drafter, spec="on"), prompts, SamplingParams(max_new_tokens=128),
-                       warm_up=False)
+        engine = Engine(target, tok, drafter, EngineConfig(spec="on"))
+        r, _ = measure(engine, prompts, SamplingParams(max_new_tokens=128), warm_up=False)
         rows.append({"drafter": path, "layers": drafter.cfg.num_layers, "bytes": size,
                      "parameters": sum(p.numel() for p in drafter.parameters()),
                      "acceptance_length": r["acceptance_length"], "tok_per_s": r["tok_per_s"]})

@@ -11,15 +11,14 @@ import time
 from collections import defaultdict
 
 import torch
-from ab_setup import parse_switches, set_switches
 
 from deepflash.bench.speed import QWEN3_8B, SMOLLM2_135M, random_engine, run_engine
 from deepflash.drafter.checkpoint import load_drafter
+from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Engine
 from deepflash.engine.graphs import kv_bucket
 from deepflash.engine.runtime import DEFAULT_DRAFTER
 from deepflash.engine.sampling import SamplingParams
-from deepflash.kernels import attention as decode_kernel
 from deepflash.kernels import rope as rope_kernel
 
 LONG_PROMPT = [100 + i % 40000 for i in range(5800)]
@@ -133,14 +132,14 @@ def graph_steps(engine: Engine, prompt: list[int], counts: list[int], replays: i
 def spec_on_and_plain(device: str, measure) -> dict:
     """measure(engine) of a random SmolLM2-shaped target on Triton's kernels, with the shipped drafter (spec on)
     and without."""
-    plain = random_engine(SMOLLM2_135M, device, target_kernels="triton")
+    plain = random_engine(SMOLLM2_135M, device, EngineConfig(max_ctx=2048, target_kernels="triton"))
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     return {"spec_on": measure(sibling(plain, drafter, spec="on", target_kernels="triton")), "plain": measure(plain)}
 
 
 def sibling(base: Engine, drafter=None, **engine_args) -> Engine:
     """Another engine on base's random target, also without stop tokens (every request runs its length)."""
-    made = Engine(base.target, base.tokenizer, drafter, **{"max_ctx": base.max_ctx, **engine_args})
+    made = Engine(base.target, base.tokenizer, drafter, EngineConfig(**{"max_ctx": base.max_ctx, **engine_args}))
     made.stop_ids = base.stop_ids
     return made
 
@@ -170,31 +169,6 @@ def spec_profile(plain: Engine, prompt: list[int]) -> dict:
     return prof
 
 
-def attention_sweep(plain: Engine, settings: str) -> dict:
-    """Decode attention's CHUNK (keys per program) against speed (SmolLM2 shape, Triton kernels, CUDA
-    graphs, which each new engine captures with the setting it sees): plain decode after a 256-token and
-    a 5.8K-token prompt, and at the long one a spec-on step (the shipped drafter; on the random target
-    every step commits one token) with its device time."""
-    drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
-    short = list(range(100, 356))
-    kept = decode_kernel.CHUNK
-    results = {}
-    for setting in settings.split(","):
-        decode_kernel.CHUNK = int(setting)
-        fused = sibling(plain, target_kernels="triton", max_ctx=8192)
-        spec = sibling(plain, drafter, spec="on", target_kernels="triton", max_ctx=8192)
-        results[setting] = {"plain_tok_per_s_short": decode_rate(fused, short, 256),
-                            "plain_tok_per_s_long": decode_rate(fused, LONG_PROMPT, 128),
-                            "spec_on_steps_per_s_long": decode_rate(spec, LONG_PROMPT, 128)}
-        stats = spec.complete(LONG_PROMPT, SamplingParams(max_new_tokens=128)).spec  # graphs captured by now
-        results[setting]["spec_us_per_step_long"] = 1e6 * stats.spec_s / stats.steps
-        figures = ", ".join(f"{k} {v:.0f}" for k, v in results[setting].items())
-        print(f"  attention CHUNK {setting}: {figures}", flush=True)
-        del fused, spec
-    decode_kernel.CHUNK = kept
-    return results
-
-
 def depth_profile(plain: Engine, prompt: list[int] = LONG_PROMPT, steps: int = 48) -> dict:
     """Kernels per step after the prompt (SmolLM2 shape, Triton kernels, eager), spec on with the
     shipped drafter and plain: where a step's time goes at that depth (the prompt's prefill is spread
@@ -208,8 +182,7 @@ def depth_profile(plain: Engine, prompt: list[int] = LONG_PROMPT, steps: int = 4
 def prefill_profile(plain: Engine, lengths: list[int]) -> dict:
     """Prefill alone (one new token) without and with the shipped drafter (spec on, Triton kernels): its
     time per prompt length, and for the drafter's the host calls and device kernels that take the most
-    time under torch.profiler. The eager prefill was host-bound: the drafter added ~9%, and plain's own
-    time varied up to 2.5x between runs (thirteenth session); the prefill now runs as CUDA graphs."""
+    time under torch.profiler."""
     drafter = load_drafter(DEFAULT_DRAFTER, plain.device, plain.target.dtype)
     kernels = "triton" if rope_kernel.available() else "torch"
     engines = {"plain": sibling(plain, target_kernels=kernels, max_ctx=8192),
@@ -255,8 +228,6 @@ def main():
                          "with --prefill, both")
     ap.add_argument("--prefill", action="store_true",
                     help="only the prefill, without and with the shipped drafter (SmolLM2 shape, 170 and 5849 tokens)")
-    ap.add_argument("--attention-sweep", metavar="CHUNK,...",
-                    help="only time decode attention with these keys per program (SmolLM2 shape), e.g. 32,16,64")
     ap.add_argument("--depth", action="store_true",
                     help="only the kernels of spec-on and plain steps after a 5.8K-token prompt (SmolLM2 shape)")
     ap.add_argument("--short", action="store_true",
@@ -269,15 +240,11 @@ def main():
     ap.add_argument("--graph-steps", metavar="K,...",
                     help="only the device us per step with K steps in one CUDA graph replayed back to back, spec on "
                          "and plain (SmolLM2 shape, Triton kernels, 256-token prompt), e.g. 1,2,4")
-    ap.add_argument("--set", default="", metavar="SWITCH;...",
-                    help="module switches set before anything runs (ab_setup.parse_switches), e.g. "
-                         "'models.decode_kernel.MERGE_TILES:(64, 64, 64);models.decode_kernel.MERGE_WARPS:2'")
     args = ap.parse_args()
-    set_switches(parse_switches(args.set))
     prompt = list(range(100, 356))
     record = {}
     if args.qwen3:
-        prof = kernel_profile(random_engine(QWEN3_8B, args.device, cuda_graphs=False, target_kernels="triton"),
+        prof = kernel_profile(random_engine(QWEN3_8B, args.device, EngineConfig(max_ctx=2048, cuda_graphs=False, target_kernels="triton")),
                               prompt, 64)
         record["qwen3-8b-shaped"] = {"short": {"plain": prof}}
         print_top(f"qwen3-8b-shaped plain after {len(prompt)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
@@ -289,9 +256,6 @@ def main():
     if args.prefill:
         record.setdefault("smollm2-shaped", {})["prefill"] = prefill_profile(random_engine(SMOLLM2_135M, args.device),
                                                                              [170, 5849])
-    if args.attention_sweep:
-        record.setdefault("smollm2-shaped", {})["attention_sweep"] = attention_sweep(
-            random_engine(SMOLLM2_135M, args.device), args.attention_sweep)
     if args.timeline:
         record.setdefault("smollm2-shaped", {})["timeline"] = spec_on_and_plain(
             args.device, lambda engine: timeline(engine, prompt, 128))
@@ -319,11 +283,11 @@ def main():
             for name, prof in record["smollm2-shaped"][key].items():
                 print_top(f"{name} after {len(at)} tokens: {prof['device_us_per_step']:.0f} us busy/step",
                           prof["top"][:12])
-    alone = (args.spec_only or args.prefill or args.attention_sweep or args.depth or args.short or args.qwen3
+    alone = (args.spec_only or args.prefill or args.depth or args.short or args.qwen3
              or args.timeline or args.graph_steps)
     shapes = [] if alone else [("smollm2-shaped", SMOLLM2_135M), ("qwen3-8b-shaped", QWEN3_8B)]
     for name, shape in shapes:
-        eager = random_engine(shape, args.device, cuda_graphs=False, target_kernels="torch")
+        eager = random_engine(shape, args.device, EngineConfig(max_ctx=2048, cuda_graphs=False, target_kernels="torch"))
         prof = kernel_profile(eager, prompt, 64)
         graphs = sibling(eager, target_kernels="torch")
         prof["graphs_tok_per_s"] = decode_rate(graphs, prompt, 256)

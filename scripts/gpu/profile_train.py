@@ -1,5 +1,4 @@
-"""Where a drafter training step's time goes (issue 6: training ran at ~10k sequence tokens/s on an
-H200, far below what the FLOPs allow). Trains the embedded target's drafter on synthetic sequences
+"""Where a drafter training step's time goes. Trains the embedded target's drafter on synthetic sequences
 shaped like the generated data (half of the prompts 150-700 tokens, half 1500-7500, + 320 response
 tokens): step time and sequence tokens/s of the 3-layer drafter with the default attention (SDPA in
 query chunks, train/chunks.py) and with flex_attention (compiled with dynamic shapes, train/flex.py),
@@ -8,10 +7,8 @@ a few steps. Ends with one JSON line.
 
     python3 scripts/gpu/profile_train.py --out profile_train.json
 
-`--part-queries 65536,1073741824` instead times SDPA steps and their peak memory per value of
-trainer.PART_QUERIES (the block queries one training forward may hold); `--short` makes every prompt
-150-700 tokens (the batches with the most anchor blocks per token) and `--random` trains against a
-random-weight target of the embedded one's shape (no staging).
+`--short` makes every prompt 150-700 tokens (the batches with the most anchor blocks per token) and
+`--random` trains against a random-weight target of the embedded one's shape (no staging).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import torch
 from deepflash.bench.speed import SMOLLM2_135M, random_target
 from deepflash.loading.targets import load_target
 from deepflash.loading.tokenizer import load_tokenizer
-from deepflash.train import trainer as trainer_module
 from deepflash.train.shards import Sequence, iter_batches, write_shard
 from deepflash.train.trainer import TrainConfig, Trainer
 
@@ -137,25 +133,10 @@ def timed_run(run: dict, make, steps: int, device) -> Trainer | None:
     return trainer
 
 
-def part_queries_runs(args, target, tokenizer, device, tmp: str) -> list[dict]:
-    """SDPA steps per trainer.PART_QUERIES value: step time, sequence tokens/s and peak memory."""
-    runs = []
-    for index, value in enumerate(int(v) for v in args.part_queries.split(",")):
-        trainer_module.PART_QUERIES = value
-        run = {"part_queries": value, "short": args.short, "random": args.random}
-        # the same sequences for every value (seed 0), three times the default's, so that each times the
-        # same batches
-        timed_run(run, partial(make_trainer, args, target, tokenizer, device, Path(tmp) / f"parts-{index}", "sdpa",
-                               0, 3), args.steps, device)
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-        runs.append(run)
-    return runs
-
-
-def make_trainer(args, target, tokenizer, device, data: Path, attention: str, seed: int, more: int = 1) -> Trainer:
-    synthetic_data(data, target.cfg.vocab_size, (64 if device.type == "cuda" else 3) * more, seed=seed,
-                   short=args.short)
-    tc = TrainConfig(data=str(data), out=str(data.with_name(f"{data.name}-run")), layers=3, batch_tokens=16384, steps=1000,
+def make_trainer(args, target, tokenizer, device, data: Path, attention: str, seed: int) -> Trainer:
+    synthetic_data(data, target.cfg.vocab_size, 64 if device.type == "cuda" else 3, seed=seed, short=args.short)
+    tc = TrainConfig(data=str(data), out=str(data.with_name(f"{data.name}-run")), layers=3, batch_tokens=16384,
+                     steps=1000,
                      attention=attention, device=args.device, eval_every=10**9, ckpt_every=10**9,
                      mask_token_id=target.cfg.vocab_size - 1 if tokenizer is None else None)
     return Trainer(tc, target, tokenizer, device)
@@ -168,7 +149,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--random", action="store_true", help="a random-weight target of the embedded one's shape")
     ap.add_argument("--short", action="store_true", help="every prompt 150-700 tokens")
-    ap.add_argument("--part-queries", help="comma-separated trainer.PART_QUERIES values to time (SDPA only)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if args.random:
@@ -179,20 +159,16 @@ def main() -> None:
         tokenizer = load_tokenizer(folder)
     record = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.part_queries:
-            record["runs"] = part_queries_runs(args, target, tokenizer, device, tmp)
-        else:
-            # the first variant is the default, whose time is then broken down; query chunks of 0, 4 and 8
-            # anchor blocks were measured in the eleventh session (BENCHMARKS.md)
-            for index, attention in enumerate(("sdpa", "flex")):
-                run = {"attention": attention, "batch_tokens": 16384, "attention_chunk": TrainConfig.attention_chunk}
-                trainer = timed_run(run, partial(make_trainer, args, target, tokenizer, device,
-                                                 Path(tmp) / f"data-{index}", attention, index), args.steps, device)
-                record["runs"].append(run)
-                if index == 0 and trainer is not None:  # where the training time goes now
-                    record["host_top"] = host_top(trainer, 3)
-                    if device.type == "cuda":
-                        record["top"] = kernel_top(trainer, 3)
+        # the first variant is the default, whose time is then broken down
+        for index, attention in enumerate(("sdpa", "flex")):
+            run = {"attention": attention, "batch_tokens": 16384, "attention_chunk": TrainConfig.attention_chunk}
+            trainer = timed_run(run, partial(make_trainer, args, target, tokenizer, device,
+                                             Path(tmp) / f"data-{index}", attention, index), args.steps, device)
+            record["runs"].append(run)
+            if index == 0 and trainer is not None:  # where the training time goes now
+                record["host_top"] = host_top(trainer, 3)
+                if device.type == "cuda":
+                    record["top"] = kernel_top(trainer, 3)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps({"runs": record["runs"]}))

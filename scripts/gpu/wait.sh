@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# A keep-alive run: hand the carried code to the chain (it switches to it between stages, keeping the
-# drafter it picked), then return when the chain ends, when the log shows $1 (e.g. "train: start"),
-# or after ~9.5 minutes, with the log tail.
-# No chain log: this machine is not the one start.sh ran on (the twenty-seventh session's went back
-# between two calls and the next wait.sh waited its full 9.5 minutes on a fresh one, spending the budget)
+# A keep-alive call while the chain runs: hand the carried code to the chain (it switches to it between
+# stages, keeping the drafter it picked), then return when the chain ends, when its log shows $1 (e.g.
+# " train: start"), or after ~9.5 minutes, with the log tail; and bring back what the chain made so far.
 if [ ! -f /root/results/chain.log ]; then
   echo "wait.sh: no chain on this machine (/root/results/chain.log is missing): the machine start.sh ran" \
-    "on was given back; what earlier runs brought back is all there is" >&2
+    "on was given back; what earlier calls brought back is all there is" >&2
   exit 3
 fi
 mkdir -p /root/next && tar cf - deepflash scripts | tar xf - -C /root/next && touch /root/next/READY
@@ -17,13 +15,12 @@ for _ in $(seq 1 114); do
 done
 tail -n 40 /root/results/chain.log
 ls /root/results
-# once a drafter is picked, every keep-alive run also collects (about a second): the seventh session lost
-# a finished chain, drafter included, when its separate collect call came after the machine had gone back
-# before that, the results so far (logs, JSON) come back with every call, should the machine be taken away
+# once a drafter is picked, every call also collects it (about a second), should the machine go back; while
+# training, the arms' latest checkpoints; before that, the results so far
 if grep -q "CHAIN_DONE\|CHAIN_FAILED\| pick: rc=" /root/results/chain.log 2>/dev/null; then
   bash scripts/gpu/collect.sh
 elif grep -q " train: start" /root/results/chain.log; then
-  bash scripts/gpu/collect.sh arms  # the arms' latest checkpoints, should the machine go before pick
+  bash scripts/gpu/collect.sh arms
 else
   tar czf "$OUT/results.tgz" -C /root results
 fi
