@@ -50,7 +50,7 @@ class FeatureRing:
         # rows are stored times a per-channel scale and read back times its inverse (storage_scale:
         # powers of two, so both multiplications are exact and only the format's own rounding remains),
         # both held in bf16, exact for powers of two: the Triton kernels load them for every row they
-        # encode or decode, and the scaled q4_0 write was the one under issue 4's 70% of the copy bandwidth
+        # encode or decode (in float32 the scaled q4_0 write fell to 0.68 of the copy bandwidth, H200)
         self.scale = self.inverse = None
         if channel_scale is not None:
             exact = channel_scale.to(device, torch.float32)

@@ -314,8 +314,8 @@ class Engine:
             captured = self.graphs.run(("plain", kv_len, params.mode), lambda: self.steps.plain(kv_len, params))
             kind, size = "plain", 1
         for queued in inflight:
-            # a capture delays every step in flight; a spec launch's host work (two graphs, the drafter's
-            # catch-up) can outlast a queued plain step on the device and delay its collect
+            # a capture delays every step in flight; a spec launch's host work (the drafter's catch-up, its
+            # graph's launch) can outlast a queued plain step on the device and delay its collect
             if captured or (kind == "spec" and queued.kind == "plain" and queued.ready is not None):
                 queued.timed = False
         # the host learns the outcome from the step's mailbox slot; the device already advanced its own inputs

@@ -88,9 +88,8 @@ def _capture_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cud
 def capture_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
     """The warm-up and capture streams of every capture on `device`, shared by all engines of the
     process: cuBLAS keeps a workspace per stream it has run on (32 MiB on Hopper) until the process
-    ends. A fresh warm-up stream per capture cost 32 MiB per graph variant (~1 GB of a 7.8K-token
-    request's peak), and a pair per engine left 64 MiB behind every engine built (bench memory's
-    second case, issue 4)."""
+    ends. A fresh warm-up stream per capture would cost 32 MiB per graph variant (~1 GB of a 7.8K-token
+    request's peak), and a pair per engine would leave 64 MiB behind every engine built."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capture_streams(torch.device(device.type, index))
 

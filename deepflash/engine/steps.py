@@ -150,7 +150,7 @@ class Steps:
         tensors it reads outlive the step function, and those it makes are freed on that stream, so the
         caching allocator reuses no block across the two streams before they join (verify). Its kernels
         share no state with the target's running beside them: its projections are torch's GEMMs, not
-        gemv_kernel's, whose split reductions count arrivals in one array per device."""
+        kernels/gemv.py's, whose split reductions count arrivals in one array per device."""
         if self.aside is None:
             return self._commit(positions, feats)
         self.aside.wait_stream(torch.cuda.current_stream())

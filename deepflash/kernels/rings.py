@@ -22,8 +22,8 @@ instructions where an f32 one takes ~10: 0.57 / 0.60 of the copy bandwidth on an
 stores the codes as 16-bit pairs (the block stride, 34 or 18 bytes, leaves them 2-byte aligned), the
 fp16 scale as one 16-bit store, rounds by a truncating conversion, and finds q4_0's peak from the
 block's largest and smallest values, searching positions only in a tile with a +m / -m tie: ~25 (q8_0)
-and ~18 (q4_0) warp instructions per block in the sm_90 PTX. Two other forms measured slower (seventh
-session): each block as one run of byte lanes, the codes loaded again at their lanes, and the codes as
+and ~18 (q4_0) warp instructions per block in the sm_90 PTX. Two other forms measure slower on an H200:
+each block as one run of byte lanes, the codes loaded again at their lanes, and the codes as
 16-bit pairs from strided loads.
 
 How the work is cut comes from SHAPES (the best measured on the H200, BENCHMARKS.md): GROUPS blocks per
@@ -46,7 +46,7 @@ from .triton_support import tl, triton
 CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
 
-# q8_0: the write at 32x2 and the decode at 64x2 beat their earlier shapes at 8192 and at 65,536 rows
+# q8_0: the write at 32x2 and the decode at 64x2 beat the default shape at 8192 and at 65,536 rows
 # under CUDA graphs (H200)
 SHAPES = {("write", "q4_0"): Shape(32, 1), ("write", "q8_0"): Shape(32, 2), ("decode", "q8_0"): Shape(64, 2)}
 DEFAULT_SHAPE = Shape(32, 4)
