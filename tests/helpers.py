@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +69,30 @@ def tiny_drafter(cfg: DrafterConfig, dtype=torch.float64, seed=1, std=0.2, fused
     return drafter.fuse_projections() if fused else drafter
 
 
+_TRAIN_DATA: dict = {}  # the session's tmp_path_factory, the folder, the summary
+
+
+def train_dataset(tmp_path_factory):
+    """The training tests' dataset: 8 chats of 12 to 60 words answered by tiny_target in float32 (half of
+    them sampled), in shards of 3. Built once per session (the tests only read its files) under the
+    session's temporary folder; each call gets a target and tokenizer of its own. Returns (target,
+    tokenizer, folder, build_dataset's summary)."""
+    from deepflash.train.datagen import build_dataset
+    from deepflash.train.prompts import Task
+
+    target, tok = tiny_target(dtype=torch.float32), tiny_tokenizer()
+    if _TRAIN_DATA.get("factory") is not tmp_path_factory:
+        rng = torch.Generator().manual_seed(0)
+        tasks = [Task("test", "x", [{"role": "user", "content": " ".join(f"w{int(i)}" for i in
+                                                                       torch.randint(5, 90, (n,), generator=rng))}])
+                 for n in [20, 35, 50, 12, 60, 40, 25, 45]]
+        out = tmp_path_factory.mktemp("data")
+        summary = build_dataset(target, tok, tasks, out, max_new_tokens=40, max_len=160, sampled_fraction=0.5,
+                                shard_size=3)
+        _TRAIN_DATA.update(factory=tmp_path_factory, folder=out, summary=summary)
+    return target, tok, _TRAIN_DATA["folder"], _TRAIN_DATA["summary"]
+
+
 def save_tiny_model(folder: Path, **overrides) -> Path:
     """A tiny model folder as users have them: config.json, model.safetensors, tokenizer files."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,58 +134,159 @@ def oracle(monkeypatch, reference: list[int], prompt_len: int, wrong_every: int 
     monkeypatch.setattr(spec_module, "propose", propose)
 
 
-def chi_square_p(counts: dict, probs: torch.Tensor, n: int) -> float:
-    """p-value of observed counts against expected probabilities (bins with expectation < 5 merged)."""
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.tensor([counts.get(i, 0) for i in range(len(probs))], dtype=torch.float64)
-    o = torch.cat([obs[big], obs[~big].sum()[None]])
-    e = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = e > 0
-    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
-    dof = int(keep.sum()) - 1
-    # Wilson-Hilferty approximation of the chi-square survival function
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+def reference_probs(logits: torch.Tensor, params, margin: float = 1e-4) -> torch.Tensor:
+    """The distribution a token sampled with `params` follows, written apart from deepflash's sampling code
+    (float64): softmax(logits / temperature) cut to the top_k most likely tokens, then to the shortest
+    prefix of them (in descending order, renormalised) whose mass reaches top_p, renormalised. A cut
+    that decides the result must clear its boundary by `margin` (a float32 sampler could fall either side
+    of a closer one)."""
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    if 0 < params.top_k < len(ordered):
+        keep[params.top_k:] = False
+    if params.top_p < 1.0:
+        kept = torch.where(keep, ordered, 0.0) / ordered[keep].sum()
+        before = kept.cumsum(0) - kept  # the mass ahead of each token: it stays while that is below top_p
+        assert (before[keep] - params.top_p).abs().min() > margin, "a token's mass sits at the top-p boundary"
+        keep &= before < params.top_p
+    if 0 < params.top_k < len(ordered) and keep[params.top_k - 1]:
+        assert ordered[params.top_k - 1] - ordered[params.top_k] > margin, "tokens tie at the top-k boundary"
+    out = torch.zeros_like(probs)
+    out[order[keep]] = ordered[keep] / ordered[keep].sum()
+    return out
 
 
-def third_token_check(engine, monkeypatch, runs: int, propose_modes: bool) -> tuple[float, int]:
-    """Sample 3 tokens after a fixed prompt `runs` times (seeds 0..runs-1); return the chi-square p-value
-    of the third token against the target's exact distribution, and the drafts accepted. With
-    `propose_modes` the drafter proposes each position's most likely token, so drafts are often (not
-    always) accepted."""
-    import deepflash.engine.steps as spec_module
-    from deepflash.engine.sampling import SamplingParams, target_probs
+def sequence_probs(target, prompt: list[int], length: int, params,
+                   margin: float = 1e-4) -> dict[tuple[int, ...], float]:
+    """The exact probability of every continuation of `prompt` of `length` tokens sampled with `params`
+    (reference_probs at each step, `margin` passed on; one target forward per prefix of nonzero
+    probability)."""
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        longer = {}
+        for prefix, p in probs.items():
+            ids = prompt + list(prefix)
+            with torch.no_grad():
+                logits = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(1, len(ids)))[0][0, -1]
+            q = reference_probs(logits, params, margin)
+            for token in torch.nonzero(q).flatten().tolist():
+                longer[prefix + (token,)] = p * float(q[token])
+        probs = longer
+    return probs
 
-    target, vocab = engine.target, engine.target.cfg.vocab_size
-    engine.stop_ids = frozenset()  # every run yields exactly three tokens
+
+@dataclass
+class DistributionCheck:
+    """Sampled continuations against their exact distribution `probs` (sequence_probs). Three tests:
+    `impossible` samples (probability 0: a token a cut excludes, or one after a wrong context); a
+    sequential chi-square, which checks each token against its exact distribution given the tokens before
+    it (next-token counts after every sampled prefix; cells expecting fewer than 5 pooled), so that a
+    wrong context (a rejected draft left in the cache, a wrong token fed to the next step) or noise shared
+    between steps shows; and a likelihood score test (the samples' summed log-probability against its
+    mean and variance under `probs`), which a sampler that is too hot or too cold moves by many
+    deviations. p_value combines the last two (Bonferroni)."""
+
+    samples: list[tuple[int, ...]]
+    probs: dict[tuple[int, ...], float]
+    accepted: list[int] = field(default_factory=list)  # drafts each run's first verify step accepted
+    impossible: int = 0
+    chi2: float = 0.0
+    dof: int = 0
+    p_chi2: float = 1.0
+    z: float = 0.0
+    p_score: float = 1.0
+
+    def __post_init__(self):
+        probs = self.probs = {seq: p for seq, p in self.probs.items() if p > 0}
+        length = len(next(iter(probs)))
+        self.impossible = sum(probs.get(s, 0.0) == 0.0 for s in self.samples)
+        prefix_probs: dict[tuple[int, ...], float] = {}
+        children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for seq, p in probs.items():
+            for k in range(length + 1):
+                prefix_probs[seq[:k]] = prefix_probs.get(seq[:k], 0.0) + p
+                if k and seq[:k] not in children.setdefault(seq[: k - 1], []):
+                    children[seq[: k - 1]].append(seq[:k])
+        seen: dict[tuple[int, ...], int] = {}
+        for s in self.samples:
+            for k in range(length + 1):
+                seen[s[:k]] = seen.get(s[:k], 0) + 1
+        for prefix, n in seen.items():
+            if len(prefix) < length and prefix in prefix_probs:
+                kids = children[prefix]
+                chi2, dof = _pooled_chi2([seen.get(c, 0) for c in kids],
+                                         [prefix_probs[c] / prefix_probs[prefix] for c in kids], n)
+                self.chi2, self.dof = self.chi2 + chi2, self.dof + dof
+        if self.dof:
+            self.p_chi2 = float(torch.special.gammaincc(torch.tensor(self.dof / 2, dtype=torch.float64),
+                                                        torch.tensor(self.chi2 / 2, dtype=torch.float64)))
+        logp = torch.tensor(list(probs.values()), dtype=torch.float64).log()
+        p = logp.exp()
+        mean, var = float((p * logp).sum()), float((p * logp**2).sum() - (p * logp).sum() ** 2)
+        total = sum(math.log(probs[s]) for s in self.samples if probs.get(s, 0.0) > 0)
+        self.z = (total - len(self.samples) * mean) / math.sqrt(len(self.samples) * var)
+        self.p_score = math.erfc(abs(self.z) / math.sqrt(2))
+
+    @property
+    def p_value(self) -> float:
+        """Of the chi-square and the score test together (Bonferroni); 0 when a sample was impossible."""
+        return 0.0 if self.impossible else min(1.0, 2 * min(self.p_chi2, self.p_score))
+
+    def __repr__(self) -> str:
+        return (f"DistributionCheck({len(self.samples)} samples over {len(self.probs)} continuations: impossible "
+                f"{self.impossible}, chi2 {self.chi2:.1f} on {self.dof} dof (p {self.p_chi2:.2g}), score z "
+                f"{self.z:.2f} (p {self.p_score:.2g}), p {self.p_value:.2g})")
+
+
+def _pooled_chi2(observed: list[int], probs: list[float], n: int) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom of n draws over cells of probabilities `probs`: cells
+    expecting at least 5 draws, the rest pooled into one (or into the least likely of those where the
+    pool expects fewer than 5); (0, 0) where that leaves a single cell."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    p = torch.tensor([probs[i] for i in order], dtype=torch.float64)
+    o = torch.tensor([observed[i] for i in order], dtype=torch.float64)
+    big = max(int((p * n >= 5).sum()), 1)
+    o, e = torch.cat([o[:big], o[big:].sum()[None]]), torch.cat([p[:big], p[big:].sum()[None]]) * n
+    if e[-1] < 5:
+        o, e = torch.cat([o[:-2], o[-2:].sum()[None]]), torch.cat([e[:-2], e[-2:].sum()[None]])
+    if len(e) < 2:
+        return 0.0, 0
+    return float(((o - e) ** 2 / e).sum()), len(e) - 1
+
+
+def sampled_distribution_check(engine, monkeypatch, params, runs: int, length: int = 4,
+                               propose_modes: bool = False) -> DistributionCheck:
+    """Sample `length` tokens after a fixed prompt `runs` times (seeds 0..runs-1, so the check is
+    deterministic) with `params`' temperature, top-k and top-p, and check them against the target's exact
+    distribution (sequence_probs). With `propose_modes` the drafter proposes the most likely tokens
+    (whatever the first token was), so that the first verify step accepts none, some or all of its drafts
+    and the acceptance decides the output."""
+    from deepflash.engine import steps
+    from deepflash.engine.sampling import SamplingParams
+
+    engine.stop_ids = frozenset()  # every run yields `length` tokens
     prompt = [4, 7, 5]
-    params = SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3)
-
-    def probs(ids):
-        with torch.no_grad():
-            logits = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(1, 8))[0][0, -1]
-        return target_probs(logits, params).double()
-
-    second = torch.zeros(vocab, dtype=torch.float64)
-    third = torch.zeros(vocab, dtype=torch.float64)
-    p1 = probs(prompt)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = probs(prompt + [t1])
-        second += p1[t1] * p2
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            third += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
-    if propose_modes:
-        modes = {len(prompt) + 1: int(second.argmax()), len(prompt) + 2: int(third.argmax())}
-        monkeypatch.setattr(spec_module, "propose", lambda d, t, c, last, q_pos, span, out: out.copy_(torch.tensor(
+    probs = sequence_probs(engine.target, prompt, length, params)
+    if propose_modes:  # position by position, the most likely token after the drafts before it
+        modes, drafts = {}, ()
+        for k in range(1, length):
+            mass: dict[int, float] = {}
+            for seq, p in probs.items():
+                if seq[1:k] == drafts:
+                    mass[seq[k]] = mass.get(seq[k], 0.0) + p
+            drafts += (max(mass, key=mass.get),)
+            modes[len(prompt) + k] = drafts[-1]
+        monkeypatch.setattr(steps, "propose", lambda d, t, c, last, q_pos, span, out: out.copy_(torch.tensor(
             [modes.get(int(q_pos[0]) + k, 0) for k in range(1, q_pos.shape[0])])))
-    counts: dict[int, int] = {}
-    accepted = 0
+    samples, accepted = [], []
     for seed in range(runs):
-        out = engine.complete(prompt, SamplingParams(temperature=0.9, top_k=6, max_new_tokens=3, seed=seed))
-        counts[out.token_ids[2]] = counts.get(out.token_ids[2], 0) + 1
-        accepted += out.spec.accepted_tokens if out.spec is not None else 0
-    return chi_square_p(counts, third, runs), accepted
+        out = engine.complete(prompt, SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                                     top_p=params.top_p, max_new_tokens=length, seed=seed))
+        samples.append(tuple(out.token_ids[:length]))
+        if out.spec is not None and out.spec.trace:
+            accepted.append(out.spec.trace[0] - 1)
+    return DistributionCheck(samples, probs, accepted)
 
 
 def check_left_padded_batch(model, vocab: int, tol: float) -> None:

@@ -119,14 +119,22 @@ def test_context_limit_inside_a_block(monkeypatch):
     assert out.finish_reason == want.finish_reason == "length"
 
 
-def test_sampled_speculative_equals_sampled_plain():
-    """Position-keyed sampling: with the same seed, speculative decoding emits plain decoding's samples."""
+@pytest.mark.parametrize("drafts", ["random", "mostly right"])
+def test_sampled_speculative_equals_sampled_plain(drafts, monkeypatch):
+    """Position-keyed sampling: with the same seed, speculative decoding emits plain decoding's samples,
+    with a random drafter and with drafts that are plain decoding's own samples but now and then spoiled
+    (long accepted runs and every shorter length: each position of a verify block must draw its own noise)."""
     drafter = tiny_drafter(drafter_config(TARGET.cfg))
     ids = prompt(12)
     for seed in range(3):
         params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=seed, max_new_tokens=25)
+        want = plain(ids, params).token_ids
+        if drafts == "mostly right":
+            oracle(monkeypatch, want, len(ids), wrong_every=5)
         spec = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on")).complete(ids, params)
-        assert spec.token_ids == plain(ids, params).token_ids
+        assert spec.token_ids == want
+        if drafts == "mostly right":
+            assert max(spec.spec.histogram[2:]) > 0  # runs of accepted drafts happened
 
 
 def test_steps_have_no_host_syncs():

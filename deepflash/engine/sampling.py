@@ -141,13 +141,6 @@ def _filtered(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return scores.masked_fill(drop, float("-inf"))
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled token is drawn from (used by tests and the distribution checks)."""
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return adjusted_logits(logits, params).softmax(dim=-1)
-
-
 def choose(logits: torch.Tensor, positions: torch.Tensor | None, params: SamplingParams,
            buffers: SamplingBuffers | None = None) -> torch.Tensor:
     """The token for each row of logits [N, V]; positions [N] are the absolute positions being filled
