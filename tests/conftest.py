@@ -9,6 +9,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests' tiny models run fastest on one intra-op thread, which also keeps a busy machine from making
+# torch's thread pool spin (minutes instead of seconds for the sampling tests on two shared cores).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic(monkeypatch):

@@ -29,16 +29,6 @@ TOL = 1e-4
 TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread, which also keeps a busy machine from making the
-    thread pool spin (minutes instead of seconds on two shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def text_config(kind: str, **overrides) -> dict:
     """A tiny Qwen3.5 text config; k and v head dims differ so that a swapped axis cannot pass."""
     cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=5, layer_types=TYPES, num_attention_heads=4,

@@ -22,16 +22,6 @@ from deepflash.engine.sampling import SamplingParams, adjusted_logits, choose
 from deepflash.errors import UserError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread, which also keeps a busy machine from making the
-    thread pool spin (minutes instead of seconds on two shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0),
                                  dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=0), dict(seed=-3),
                                  dict(stop=("",))])
