@@ -110,8 +110,9 @@ def test_an_engine_leaves_no_memory_behind():
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_the_feature_commit_beside_the_target_keeps_the_context_exact(cuda_graphs):
     """A verify step commits its block's features on a stream of its own (steps.Steps.aside), beside the
-    target's last layers: after a request, the drafter's context K/V of every committed position equal, bit
-    for bit, those rebuilt on the step's own stream from the mirror, and the output is plain decoding's."""
+    target's last layers: after a request, the drafter's context K/V of every committed position equal those
+    rebuilt on the step's own stream from the mirror (to rounding: the rebuild projects all rows in one GEMM,
+    the steps a block at a time), and the output is plain decoding's."""
     target, tokenizer = tiny_target_and_tokenizer(torch.device("cuda"))
     drafter = tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).cuda()
     prompt, params = list(range(5, 40)), SamplingParams(max_new_tokens=40)
@@ -126,6 +127,7 @@ def test_the_feature_commit_beside_the_target_keeps_the_context_exact(cuda_graph
     context.rebuild(*engine.steps.features.context(committed))
     for before, after, tag in zip(keys, context.k, tags):
         held = (tag >= 0) & (tag < committed)
-        assert held.sum() > len(prompt) and torch.equal(before[:, :, held], after[:, :, held])
+        assert held.sum() > len(prompt)
+        torch.testing.assert_close(before[:, :, held], after[:, :, held], rtol=1e-4, atol=1e-4)
     plain = Engine(target, tokenizer, config=EngineConfig(max_ctx=128, cuda_graphs=cuda_graphs)).complete(prompt, params)
     assert result.token_ids == plain.token_ids
