@@ -336,20 +336,18 @@ def test_repeat_anchors_mark_a_prompts_repeat_of_its_opening_and_nothing_else():
     assert torch.equal(with_repeat_anchors(prompt_only).loss_mask, torch.arange(800) >= 500)
 
 
-def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(dataset, tmp_path, monkeypatch, capsys):
-    from deepflash.train import repeats
+def test_training_with_repeat_anchors_draws_them_on_training_sequences_only(dataset, tmp_path, capsys):
     from deepflash.train.shards import write_shard
     from deepflash.train.trainer import sample_anchors
 
     target, tok, data, _ = dataset
-    monkeypatch.setattr(repeats, "MIN_REPEAT", 16)
     gen = torch.Generator().manual_seed(4)
     (tmp_path / "recall").mkdir()
     write_shard(tmp_path / "recall" / "shard-0000.safetensors", [_recall_shaped(gen, 60, 40, 20) for _ in range(8)],
                 read_all(data)[1])
     tc = TrainConfig(data=str(tmp_path / "recall"), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4,
                      anchors=64, steps=2, eval_fraction=0.25, attention="sdpa", mask_token_id=95, repeat_anchors=True,
-                     long_share=0.5)
+                     long_share=0.5, min_repeat=16)
     trainer = Trainer(tc, target, tok, torch.device("cpu"))
     assert "--long-share 0.5: an epoch takes 0 of the 0 batches" in capsys.readouterr().err  # all short here
     assert all(bool(s.loss_mask[60:100].all()) for s in trainer.train_seqs)

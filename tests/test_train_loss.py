@@ -4,6 +4,8 @@ block against the engine's draft of it, and loss invariants (batches, parts, pad
 teachers)."""
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,32 +226,28 @@ def test_a_batch_trains_like_its_sequences_one_by_one(dataset, tmp_path):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("limit", ["MASK_ELEMENTS", "PART_QUERIES"])
-def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, monkeypatch, limit):
-    """Batches whose masks would exceed MASK_ELEMENTS, or whose block queries PART_QUERIES, run in parts:
-    same loss and accuracy."""
-    from deepflash.train import trainer as trainer_module
-
+@pytest.mark.parametrize("limit", ["mask_elements", "part_queries"])
+def test_a_batch_split_in_parts_gives_the_same_loss(dataset, tmp_path, limit):
+    """Batches whose masks would exceed TrainConfig.mask_elements, or whose block queries part_queries, run
+    in parts: same loss and accuracy."""
     target, tok, data, _ = dataset
     trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=1, taps=2, block_size=4, steps=1,
                                   anchors=64, attention="sdpa", mask_token_id=95, pad_to=0), target, tok,
                       torch.device("cpu"))
     batch = trainer.train_seqs[:5]
     whole = trainer.batch_loss(batch, train=False)
-    two_rows = {"MASK_ELEMENTS": 64 * 4 * (16 * 4 + max(map(len, batch))) * 2,  # 16-block chunks
-                "PART_QUERIES": 64 * 4 * 2}
-    monkeypatch.setattr(trainer_module, limit, two_rows[limit])
+    two_rows = {"mask_elements": 64 * 4 * (16 * 4 + max(map(len, batch))) * 2,  # 16-block chunks
+                "part_queries": 64 * 4 * 2}
+    trainer.tc = replace(trainer.tc, **{limit: two_rows[limit]})
     assert len(trainer._parts(batch)) >= 3
     split = trainer.batch_loss(batch, train=False)
     torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split[1], whole[1])
 
 
-def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_path, monkeypatch):
+def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_path):
     """The gradient of a step is that of the batch's weighted mean CE (REFERENCE 4's clip of 1.0 assumes
     a mean), whether the batch runs whole or in parts."""
-    from deepflash.train import trainer as trainer_module
-
     target, tok, data, _ = dataset
     trainer = Trainer(TrainConfig(data=str(data), out=str(tmp_path), layers=1, taps=2, block_size=4, steps=1,
                                   anchors=64, attention="sdpa", mask_token_id=95, pad_to=0), target, tok,
@@ -270,7 +268,7 @@ def test_a_step_follows_the_weighted_mean_loss_whole_or_in_parts(dataset, tmp_pa
 
     want = grads(mean_loss)
     whole = grads(lambda: trainer.batch_loss(batch))
-    monkeypatch.setattr(trainer_module, "MASK_ELEMENTS", 64 * 4 * (16 * 4 + max(map(len, batch))) * 2)  # 16-block chunks
+    trainer.tc = replace(trainer.tc, mask_elements=64 * 4 * (16 * 4 + max(map(len, batch))) * 2)  # 16-block chunks
     assert len(trainer._parts(batch)) >= 3
     split = grads(lambda: trainer.batch_loss(batch))
     for w, a, b in zip(want, whole, split):

@@ -4,6 +4,7 @@ growing layers or width), --resume, the weight average (--ema), the norm gains' 
 evaluation, and distillation with int8 storage."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -195,7 +196,6 @@ def test_deep_eval_reads_the_held_out_sequences_that_copy_from_beyond_its_window
     """deep_eval picks the held-out sequences whose response copies from beyond DEEP_WINDOW tokens back (not
     merely long ones) and reads them with the whole context and with every layer's window capped there; a
     cap longer than the sequences changes nothing, a shorter one changes the drafter's outputs."""
-    from deepflash.train import trainer as trainer_module
     from deepflash.train.shards import write_shard
 
     target, tok, data, _ = dataset
@@ -207,9 +207,8 @@ def test_deep_eval_reads_the_held_out_sequences_that_copy_from_beyond_its_window
         seqs.append(Sequence(torch.cat([prompt, response]), torch.arange(80) >= 60))
     (tmp_path / "copies").mkdir()
     write_shard(tmp_path / "copies" / "shard-0000.safetensors", seqs, read_all(data)[1])
-    monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 30)
     tc = TrainConfig(data=str(tmp_path / "copies"), out=str(tmp_path / "run"), layers=2, taps=2, block_size=4,
-                     anchors=16, steps=1, eval_fraction=0.5, attention="sdpa", mask_token_id=95)
+                     anchors=16, steps=1, eval_fraction=0.5, attention="sdpa", mask_token_id=95, deep_window=30)
     trainer = Trainer(tc, target, tok, torch.device("cpu"))
     copying = [seq for seq in trainer.eval_seqs if torch.equal(seq.tokens[60:], seq.tokens[:20])]
     assert 0 < len(copying) < len(trainer.eval_seqs)
@@ -219,7 +218,7 @@ def test_deep_eval_reads_the_held_out_sequences_that_copy_from_beyond_its_window
     whole = trainer.evaluate(copying)["eval_loss"]
     assert trainer.evaluate(copying, window=10_000)["eval_loss"] == whole
     assert trainer.evaluate(copying, window=30)["eval_loss"] != whole
-    monkeypatch.setattr(trainer_module, "DEEP_WINDOW", 70)  # nothing copies from 70 back
+    trainer.tc = replace(trainer.tc, deep_window=70)  # nothing copies from 70 back
     assert trainer.deep_eval() == {}
 
 

@@ -21,23 +21,24 @@ MIN_REPEAT = 256
 _PROBE = 8  # tokens of the opening a repeat must start with to be checked in full
 
 
-def repeat_start(tokens: torch.Tensor, end: int) -> int | None:
+def repeat_start(tokens: torch.Tensor, end: int, min_repeat: int = MIN_REPEAT) -> int | None:
     """The first position s at which tokens[s:end] repeats the text's own opening (tokens[:end - s]),
-    with at least MIN_REPEAT tokens, or None."""
-    if end <= MIN_REPEAT:
+    with at least min_repeat tokens, or None."""
+    if end <= min_repeat:
         return None
-    windows = tokens[: end - MIN_REPEAT + _PROBE].unfold(0, _PROBE, 1)  # starts 0..end - MIN_REPEAT
+    windows = tokens[: end - min_repeat + _PROBE].unfold(0, _PROBE, 1)  # starts 0..end - min_repeat
     for s in torch.nonzero((windows == tokens[:_PROBE]).all(1)).flatten().tolist():
         if s > 0 and torch.equal(tokens[s:end], tokens[: end - s]):
             return s
     return None
 
 
-def with_repeat_anchors(seq: Sequence) -> Sequence:
-    """The sequence with its prompt's repeat of its opening (if any) marked as loss positions too."""
+def with_repeat_anchors(seq: Sequence, min_repeat: int = MIN_REPEAT) -> Sequence:
+    """The sequence with its prompt's repeat of its opening (if any, min_repeat tokens at least) marked as
+    loss positions too."""
     mask = seq.loss_mask
     end = int(mask.int().argmax()) if bool(mask.any()) else len(seq)
-    start = repeat_start(seq.tokens, end)
+    start = repeat_start(seq.tokens, end, min_repeat)
     if start is None:
         return seq
     mask = mask.clone()

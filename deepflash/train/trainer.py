@@ -57,8 +57,21 @@ from ..progress import bar, stderr
 from .loss import acceptance_by_position, block_loss, labelled, walked_acceptance
 from .masks import default_gamma, loss_weights
 from .parallel import Group
-from .repeats import with_repeat_anchors
+from .repeats import MIN_REPEAT, with_repeat_anchors
 from .shards import Sequence, iter_batches, length_batches, long_batches_kept, read_all, split_held_out, split_long
+
+
+MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as booleans
+# block queries per training forward (Trainer._parts). Activations grow with the queries (--anchors
+# blocks for every sequence, however short), not with the batch's tokens: a part of 48 short sequences
+# (196,608 queries) had 54 GiB allocated when it ran out of memory beside a second training run on an
+# H200. On batches of ~22 short sequences this bound took the peak from 14.5 to 9.4 GiB for 1% more
+# time per step (scripts/gpu/profile_train.py)
+PART_QUERIES = 1 << 16
+# Trainer.deep_eval: held-out sequences that copy from beyond this many tokens back, read with the whole context
+# and with the drafter's window capped here (the sliding window of existing engines that lost acceptance on
+# deep prompts); --long-share counts the sequences longer than this as long
+DEEP_WINDOW = 4096
 
 
 @dataclass
@@ -100,11 +113,15 @@ class TrainConfig:
     pad_to: int = 256  # > 0: context lengths rounded up to a multiple and anchors padded to --anchors (few shapes)
     distill: bool = False  # True: KL to the target's next-token distribution instead of CE on the data's tokens
     repeat_anchors: bool = False  # True: anchors also on a prompt's repeat of its own opening (repeats.py)
-    long_share: float | None = None  # at most this share of an epoch's batches hold sequences over DEEP_WINDOW
+    long_share: float | None = None  # at most this share of an epoch's batches hold sequences over deep_window
     attention_chunk: int = 16  # SDPA path: anchor blocks per query chunk (chunks.py); 0: all in one chunk
     storage: str | None = None  # the exported drafter's matrices: bf16 or int8 rows (drafter.save_drafter);
     # None: as the init_from drafter stores them, else bf16
     ema: float = 0.0  # > 0: also keep the weights' moving average at this decay per step (module doc)
+    deep_window: int = DEEP_WINDOW  # deep_eval's cap, and what --long-share counts as long
+    mask_elements: int = MASK_ELEMENTS  # a training forward's attention mask at most (Trainer._parts)
+    part_queries: int = PART_QUERIES  # a training forward's block queries at most (Trainer._parts)
+    min_repeat: int = MIN_REPEAT  # --repeat-anchors: the shortest repeat of a prompt's opening (repeats.py)
 
     def validated(self) -> TrainConfig:
         if self.steps is None and self.max_minutes is None:
@@ -199,17 +216,6 @@ def drafter_config_for(target_cfg, tc: TrainConfig, mask_token: int, trained_ctx
     })
 
 
-MASK_ELEMENTS = 1 << 28  # per training forward (Trainer._parts): 0.25 GiB as booleans
-# block queries per training forward (Trainer._parts). Activations grow with the queries (--anchors
-# blocks for every sequence, however short), not with the batch's tokens: a part of 48 short sequences
-# (196,608 queries) had 54 GiB allocated when it ran out of memory beside a second training run on an
-# H200. On batches of ~22 short sequences this bound took the peak from 14.5 to 9.4 GiB for 1% more
-# time per step (scripts/gpu/profile_train.py)
-PART_QUERIES = 1 << 16
-# Trainer.deep_eval: held-out sequences that copy from beyond this many tokens back, read with the whole context
-# and with the drafter's window capped here (the sliding window of existing engines that lost acceptance on
-# deep prompts); --long-share counts the sequences longer than this as long
-DEEP_WINDOW = 4096
 
 
 def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -322,17 +328,17 @@ class Trainer:
     def _mark_repeats(self) -> None:
         """--repeat-anchors: the training sequences' repeats of their openings become loss positions too
         (repeats.py); evaluation keeps scoring responses alone, comparable with runs without it."""
-        marked = [with_repeat_anchors(s) for s in self.train_seqs]
+        marked = [with_repeat_anchors(s, self.tc.min_repeat) for s in self.train_seqs]
         added = [int(m.loss_mask.sum() - s.loss_mask.sum()) for m, s in zip(marked, self.train_seqs)]
         self.train_seqs, self.repeat_tokens = marked, sum(added)
         stderr.print(f"--repeat-anchors: {sum(added)} prompt positions of {sum(a > 0 for a in added)} sequences "
                      "become anchor candidates")
 
     def _report_long_share(self) -> None:
-        short, long = split_long(length_batches(self.train_seqs, self.tc.batch_tokens), DEEP_WINDOW)
+        short, long = split_long(length_batches(self.train_seqs, self.tc.batch_tokens), self.tc.deep_window)
         kept = long_batches_kept(len(short), len(long), self.tc.long_share)
         stderr.print(f"--long-share {self.tc.long_share}: an epoch takes {kept} of the {len(long)} batches of "
-                     f"sequences longer than {DEEP_WINDOW} tokens, beside {len(short)} others")
+                     f"sequences longer than {self.tc.deep_window} tokens, beside {len(short)} others")
 
     def lr_now(self) -> float:
         """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr_ratio."""
@@ -448,8 +454,8 @@ class Trainer:
                               anchors, real, self.weights, attention, final, label, self.tc.attention_chunk, window)
 
     def _parts(self, batch: list[Sequence]) -> list[list[Sequence]]:
-        """The batch in parts of at most PART_QUERIES block queries whose attention masks stay within
-        MASK_ELEMENTS (rows x queries x keys, the keys being the context and one query chunk's blocks):
+        """The batch in parts of at most tc.part_queries block queries whose attention masks stay within
+        tc.mask_elements (rows x queries x keys, the keys being the context and one query chunk's blocks):
         the mask is the largest tensor of a training forward (the additive form SDPA reads is 2 bytes per
         element per query head group)."""
         queries = self.tc.anchors * self.cfg.block_size
@@ -457,7 +463,7 @@ class Trainer:
         for seq in sorted(batch, key=len):
             keys = self._padded(len(seq)) + (self.tc.attention_chunk * self.cfg.block_size or queries)
             rows = len(parts[-1]) + 1
-            if parts[-1] and (rows * queries * keys > MASK_ELEMENTS or rows * queries > PART_QUERIES):
+            if parts[-1] and (rows * queries * keys > self.tc.mask_elements or rows * queries > self.tc.part_queries):
                 parts.append([])
             parts[-1].append(seq)
         return parts
@@ -566,7 +572,7 @@ class Trainer:
             task = display.add_task("training drafter", total=1000, info="")
             while not self.finished:
                 for batch in iter_batches(self.train_seqs, self.tc.batch_tokens, self.generator, self.tc.long_share,
-                                          DEEP_WINDOW):
+                                          self.tc.deep_window):
                     record = self.step(batch)
                     p = self.progress
                     display.update(task, completed=int(1000 * min(1.0, self.clock)),
@@ -596,18 +602,19 @@ class Trainer:
         return self.out / "drafter"
 
     def deep_eval(self) -> dict:
-        """AL on the held-out sequences whose response copies most from beyond DEEP_WINDOW tokens back (the
+        """AL on the held-out sequences whose response copies most from beyond tc.deep_window tokens back (the
         32 with the largest share of 6-grams found only there; none that copies nothing from there), with
-        the drafter's whole context and with it capped at DEEP_WINDOW: what the deep-context design is
+        the drafter's whole context and with it capped there: what the deep-context design is
         worth where the target needs it (`bench accept` sweeps a few prompts); {} when none qualifies. Picked
         by copying, not by length: long held-out chats, which copy little from far back, would fill the 32."""
-        deep = self._deep_seqs.get(DEEP_WINDOW)
+        window = self.tc.deep_window
+        deep = self._deep_seqs.get(window)
         if deep is None:  # the held-out set is fixed: the scan over it (seconds of Python) runs once a run
-            deep = self._deep_seqs[DEEP_WINDOW] = self._copying_from_beyond(DEEP_WINDOW)
+            deep = self._deep_seqs[window] = self._copying_from_beyond(window)
         if not deep:
             return {}
-        whole, capped = self._evaluate(deep, (None, DEEP_WINDOW))
-        return {"deep_sequences": len(deep), "deep_al": whole["eval_al"], f"deep_al_{DEEP_WINDOW}": capped["eval_al"]}
+        whole, capped = self._evaluate(deep, (None, window))
+        return {"deep_sequences": len(deep), "deep_al": whole["eval_al"], f"deep_al_{window}": capped["eval_al"]}
 
     def _copying_from_beyond(self, window: int, most: int = 32) -> list[Sequence]:
         """The `most` held-out sequences with the largest share of response 6-grams found in their prompt
@@ -630,7 +637,8 @@ class Trainer:
         log.write(json.dumps(record) + "\n")
         log.flush()
         which = f" ({weights})" if weights else ""
-        depth = (f", deep AL {record['deep_al']} (capped at {DEEP_WINDOW}: {record[f'deep_al_{DEEP_WINDOW}']}, "
+        window = self.tc.deep_window
+        depth = (f", deep AL {record['deep_al']} (capped at {window}: {record[f'deep_al_{window}']}, "
                  f"{record['deep_sequences']} sequences)" if "deep_al" in record else "")
         stderr.print(f"step {record['step']}{which}: eval loss {record['eval_loss']:.3f}, "
                      f"accept@1 {record['eval_accept'][0]:.3f}, AL {record['eval_al']}{depth}")
