@@ -137,16 +137,17 @@ def test_sampled_speculative_equals_sampled_plain(drafts, monkeypatch):
             assert max(spec.spec.histogram[2:]) > 0  # runs of accepted drafts happened
 
 
-def test_steps_have_no_host_syncs():
+@pytest.mark.parametrize("extra", [{}, dict(presence_penalty=0.5, repetition_penalty=1.2, logprobs=3)])
+def test_steps_have_no_host_syncs(extra):
     """Each step traces as one graph (dynamo fullgraph, no compiler): no .item(), no data-dependent
-    Python, so it can be captured as a CUDA graph."""
+    Python, so it can be captured as a CUDA graph; also with penalties and log-probabilities."""
     import torch._dynamo
 
     from deepflash.engine.sampling import SamplingParams
 
     drafter = tiny_drafter(drafter_config(TARGET.cfg, sliding=True, window=6))
     engine = Engine(TARGET, TOKENIZER, drafter, config=EngineConfig(spec="on", block_size=8, feature_dtype="q4_0"))
-    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=1, max_new_tokens=5).validated()
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=1, max_new_tokens=5, **extra).validated()
     engine.complete(prompt(10), params)
     steps = engine.steps
     torch._dynamo.reset()

@@ -28,6 +28,7 @@ from ..models import TargetModel
 from .config import EngineConfig, context_length
 from .controller import SpecController
 from .graphs import StepGraphs, kv_bucket, prefill_pieces
+from .logprobs import TokenLogprob
 from .output import OutputTracker
 from .sampling import SamplingParams
 from .stats import PhaseTimer, SpecStats
@@ -50,6 +51,7 @@ class Result:
     decode_s: float
     seed: int | None
     spec: SpecStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked for them
 
     @property
     def generated_tokens(self) -> int:
@@ -82,6 +84,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     result: Result | None = None
+    logprobs: list[TokenLogprob] | None = None  # token_ids' log-probabilities, where the request asked for them
 
 
 @dataclass
@@ -94,6 +97,8 @@ class Sequence:
     tracker: OutputTracker
     generated: int = 0  # tokens committed after the prompt (the first comes from prefill)
     new_tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', where asked for
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
     drafter_synced: int = 0  # positions below this have their K/V in the drafter's context (steps.Steps.plain)
 
 
@@ -149,7 +154,8 @@ class Engine:
         if drafter is not None:
             drafter.rotary.tabulate(cfg.max_position_embeddings, drafter.dtype)
         # the mailbox's slots outnumber the steps in flight, so a step's slot is read before it is reused
-        self.state = StepState(self.device, self.block_size, self.max_ctx, slots=PIPELINE_DEPTH + 1)
+        self.state = StepState(self.device, self.block_size, self.max_ctx, slots=PIPELINE_DEPTH + 1,
+                               vocab=cfg.vocab_size)
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
         self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=config.cuda_graphs, cache=self.cache)
         self.launches = 0  # decode steps launched: the next one's number
@@ -172,9 +178,10 @@ class Engine:
         t0 = time.perf_counter()
         self._prefill(seq, cancelled)
         seq.generated = 1
-        self._postprocess(seq, self.state.result[1:2].tolist())
+        first = self.state.result[1:2].tolist()
+        self._postprocess(seq, first, self._read_logprobs(seq, self.launches, first))
         prefill_s = time.perf_counter() - t0
-        yield Chunk(seq.tracker.stream(), self._take_new(seq))
+        yield self._chunk(seq)
         t1 = time.perf_counter()
         self._last_collect = t1
         inflight: deque[Launched] = deque()
@@ -183,13 +190,14 @@ class Engine:
         while inflight:
             launched = inflight.popleft()
             committed = self._collect(seq, launched, spec)
+            logprobs = self._read_logprobs(seq, launched.number, committed)
             collected = launched.phases
             # queue the next step before the host digests this one, so the GPU always has the next
             # step waiting; not after a stop token, where the output ends (a stop string ends it later)
             if self.stop_ids.isdisjoint(committed):
                 self._fill(seq, inflight, timer)
-            self._postprocess(seq, committed)
-            yield Chunk(seq.tracker.stream(), self._take_new(seq))
+            self._postprocess(seq, committed, logprobs)
+            yield self._chunk(seq)
             if seq.tracker.finished:
                 break
         # steps still in flight run past the output's end: their results are discarded and the result does
@@ -199,8 +207,9 @@ class Engine:
             phases = timer.collect(collected)
             spec.spec_s = phases.get("spec", 0.0)
         result = Result(seq.tracker.text, seq.tracker.tokens, len(prompt_ids), seq.tracker.finish_reason,
-                        prefill_s, decode_s, None if params.greedy else params.seed, spec)
-        yield Chunk(seq.tracker.stream(), [], result)
+                        prefill_s, decode_s, None if params.greedy else params.seed, spec,
+                        seq.logprobs if params.logprobs is not None else None)
+        yield Chunk(seq.tracker.stream(), [], result, [] if params.logprobs is not None else None)
 
     def wait_idle(self) -> None:
         """Wait for the steps generate left queued past an output's end (it returns without them): a
@@ -240,6 +249,8 @@ class Engine:
         self.state.sampling.load(params)
         n = len(seq.tokens)
         self.state.prompt[:n].copy_(torch.tensor(seq.tokens))
+        if params.penalized:
+            self.state.counts.reset(self.state.prompt[:n])
         graphs = self.target.idempotent_positions
         chunk = self.config.prefill_chunk
         pieces = prefill_pieces(n, chunk) if graphs else [(lo, min(chunk, n - lo)) for lo in range(0, n, chunk)]
@@ -254,7 +265,7 @@ class Engine:
             kv_len = kv_bucket(lo + size, self.max_ctx) if graphs else lo + size
             step = functools.partial(self.steps.prefill, size, kv_len, params)
             if graphs:
-                self.graphs.run(("prefill", size, kv_len, params.mode), step)
+                self.graphs.run(("prefill", size, kv_len) + params.graph_key, step)
             else:
                 step()
             if cancelled is not None and self.device.type == "cuda":
@@ -305,13 +316,13 @@ class Engine:
             timer.start("spec")
             # the drafter's ring holds no position at or past the verify's KV bucket: it attends over
             # that many slots (a graph per bucket, as the verify)
-            captured = self.graphs.run(("spec", size, kv_len, params.mode),
+            captured = self.graphs.run(("spec", size, kv_len) + params.graph_key,
                                        lambda: self.steps.speculate(size, kv_len, params))
             timer.stop()
             kind = "spec"
         else:
             kv_len = kv_bucket(processed + 1, self.max_ctx)
-            captured = self.graphs.run(("plain", kv_len, params.mode), lambda: self.steps.plain(kv_len, params))
+            captured = self.graphs.run(("plain", kv_len) + params.graph_key, lambda: self.steps.plain(kv_len, params))
             kind, size = "plain", 1
         for queued in inflight:
             # a capture delays every step in flight; a spec launch's host work (the drafter's catch-up, its
@@ -366,16 +377,26 @@ class Engine:
         values = self.state.mailbox.read(launched.number, launched.size + 1)
         return values[1 : values[0] + 2]
 
-    def _postprocess(self, seq: Sequence, committed: list[int]) -> None:
-        for token in committed:
+    def _read_logprobs(self, seq: Sequence, number: int, committed: list[int]) -> list[TokenLogprob] | None:
+        """The committed tokens' log-probabilities from step `number`'s slot, where the request asked."""
+        top = seq.params.logprobs
+        return None if top is None else self.state.logprobs.read(number, committed, top)
+
+    def _postprocess(self, seq: Sequence, committed: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        for i, token in enumerate(committed):
             seq.tokens.append(token)
             seq.new_tokens.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+                seq.new_logprobs.append(logprobs[i])
             if seq.tracker.push(token):
                 return
         if self._room(seq) <= 0:
             seq.tracker.end("length")
 
     @staticmethod
-    def _take_new(seq: Sequence) -> list[int]:
-        new, seq.new_tokens = seq.new_tokens, []
-        return new
+    def _chunk(seq: Sequence) -> Chunk:
+        """The text and tokens since the previous chunk."""
+        tokens, seq.new_tokens = seq.new_tokens, []
+        logprobs, seq.new_logprobs = seq.new_logprobs, []
+        return Chunk(seq.tracker.stream(), tokens, logprobs=logprobs if seq.params.logprobs is not None else None)

@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..kernels.argmax import argmax
 
 _MASK32 = 0xFFFFFFFF
+MAX_LOGPROBS = 20  # alternatives a request may ask log-probabilities for (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
+    # penalties on the target's logits before each choice (penalties.py): presence and frequency over the
+    # tokens generated so far (OpenAI's), repetition over the prompt's and the generated ones (1: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # report each chosen token's log-probability and this many alternatives
 
     def validated(self) -> SamplingParams:
         """Check user values; fill in a random seed so that a sampled request is reproducible from its stats."""
@@ -47,11 +54,18 @@ class SamplingParams:
             raise UserError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise UserError(f"repetition_penalty must be a number > 0 (1 disables it), got {self.repetition_penalty}")
+        if self.logprobs is not None and (int(self.logprobs) != self.logprobs or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise UserError(f"logprobs (top alternatives) must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         seed = self.seed if self.seed is not None else random.getrandbits(31)
         if int(seed) != seed or seed < 0:
             raise UserError(f"seed must be an integer >= 0, got {seed}")
         return replace(self, seed=int(seed), top_k=int(self.top_k), max_new_tokens=int(self.max_new_tokens),
-                       stop=tuple(self.stop))
+                       stop=tuple(self.stop), logprobs=None if self.logprobs is None else int(self.logprobs))
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +79,16 @@ class SamplingParams:
             return "greedy"
         return "filtered" if self.top_k > 0 or self.top_p < 1.0 else "sample"
 
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def graph_key(self) -> tuple:
+        """What a step's kernels depend on beyond its shapes (the values are device buffers): the sampling
+        mode, whether penalties apply, and how many alternatives' log-probabilities it reports."""
+        return self.mode, self.penalized, self.logprobs
+
 
 class SamplingBuffers:
     """A request's sampling values on the device (0-d tensors), written between requests and read by the
@@ -75,6 +99,9 @@ class SamplingBuffers:
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
         self.top_k = torch.zeros((), dtype=torch.int64, device=device)  # 0: off
         self.top_p = torch.ones((), dtype=torch.float32, device=device)  # 1: off
+        self.presence = torch.zeros((), dtype=torch.float32, device=device)
+        self.frequency = torch.zeros((), dtype=torch.float32, device=device)
+        self.repetition = torch.ones((), dtype=torch.float32, device=device)
 
     def load(self, params: SamplingParams) -> None:
         """Host writes (outside any graph): a validated request's values; greedy requests keep temperature 1
@@ -83,6 +110,9 @@ class SamplingBuffers:
         self.temperature.fill_(params.temperature if not params.greedy else 1.0)
         self.top_k.fill_(params.top_k)
         self.top_p.fill_(params.top_p)
+        self.presence.fill_(params.presence_penalty)
+        self.frequency.fill_(params.frequency_penalty)
+        self.repetition.fill_(params.repetition_penalty)
 
     @classmethod
     def of(cls, params: SamplingParams, device: torch.device | str,

@@ -21,6 +21,8 @@ from ..drafter.features import FeatureStore
 from ..drafter.model import DFlashDrafter
 from ..kernels.accept import accept
 from ..kernels.mailbox import Mailbox
+from .logprobs import LogprobSlots
+from .penalties import TokenCounts, penalize
 from .sampling import SamplingBuffers, SamplingParams, choose
 
 
@@ -36,7 +38,7 @@ def commits_aside(cuda: bool, shared_device: bool) -> bool:
 class StepState:
     """Inputs and outputs of the step functions, on the device."""
 
-    def __init__(self, device: torch.device, block_size: int, max_ctx: int, slots: int):
+    def __init__(self, device: torch.device, block_size: int, max_ctx: int, slots: int, vocab: int):
         long = dict(dtype=torch.long, device=device)
         self.prompt = torch.zeros(max_ctx, **long)  # the request's prompt, read by the prefill steps
         self.start = torch.zeros((), **long)  # positions processed by the target (KV and features exist)
@@ -55,11 +57,14 @@ class StepState:
         # caches, whose keep does nothing, would still run
         self.kept = torch.zeros((), **long)
         self.mailbox = Mailbox(slots, block_size + 1, device)  # each decode step posts its result to the host
+        self.counts = TokenCounts(vocab, device)  # what the penalties read (requests that ask for them)
+        self.logprobs = LogprobSlots(slots, max(block_size, 2), device)  # requests that ask for log-probabilities
 
     def buffers(self) -> list[torch.Tensor]:
         """What the steps write (a capture's warm-up puts them back); the prompt, the offsets and the
         sampling values are only read."""
-        return [self.start, self.last, self.blocks, self.result, self.kept, self.mailbox.posted]
+        return [self.start, self.last, self.blocks, self.result, self.kept, self.mailbox.posted,
+                self.counts.generated, self.logprobs.data]
 
 
 class Steps:
@@ -83,7 +88,7 @@ class Steps:
         tokens = s.prompt.gather(0, positions)
         logits, feats = self.target(tokens[None], positions, self.cache, kv_len, capture=self.taps, logits="last")
         self._commit(positions, feats)
-        token = choose(logits[0], filled(positions[-1:], params), params, s.sampling)
+        token = self._choose(logits[0], positions[-1:], params, None)
         s.result[:1].zero_()
         s.result[1:2].copy_(token)
         s.last.copy_(token)
@@ -96,7 +101,9 @@ class Steps:
         s = self.state
         pos = s.start.view(1)
         logits, feats = self.target(s.last.view(1, 1), pos, self.cache, kv_len, capture=self.taps)
-        token = choose(logits[0], filled(pos, params), params, s.sampling)
+        token = self._choose(logits[0], pos, params, s.last)
+        if params.penalized:
+            s.counts.commit(s.last, 1)
         if self.features is not None:
             self.features.store(pos, feats.reshape(-1, feats.shape[-1]))
         s.result[:1].zero_()  # not result[0] = 0: a host scalar copy cannot be captured in a graph
@@ -130,11 +137,28 @@ class Steps:
         # the commit needs the taps alone and starts as soon as they exist (_commit_beside)
         logits, _ = self.target(s.blocks[1:, :size], q_pos, self.cache, kv_len, capture=self.taps,
                                 on_features=functools.partial(self._commit_beside, q_pos))
-        choices = choose(logits[0], filled(q_pos, params), params, s.sampling)
+        fed = s.blocks[1, :size]
+        choices = self._choose(logits[0], q_pos, params, fed)
         accept(s.drafts[: size - 1], choices, s.result, s.last, s.start, s.kept, s.mailbox)
+        if params.penalized:
+            s.counts.commit(fed, s.kept)
         self.cache.keep(s.kept)
         if self.aside is not None:  # the step ends when the commit has
             torch.cuda.current_stream().wait_stream(self.aside)
+
+    def _choose(self, logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams,
+                fed: torch.Tensor | None) -> torch.Tensor:
+        """The target's choices after logits [T, V] at `positions`, for a step that feeds the tokens `fed`
+        (None: the prefill), with the request's penalties where it has them; with its log-probabilities
+        written to the slot of the step's number where it asks for them (before the step posts)."""
+        s = self.state
+        scores = logits
+        if params.penalized:
+            scores = penalize(logits, s.counts.before(fed), s.counts.prompt, s.sampling)
+        chosen = choose(scores, filled(positions, params), params, s.sampling)
+        if params.logprobs is not None:
+            s.logprobs.write(s.mailbox.posted, logits, chosen, params.logprobs)
+        return chosen
 
     def catch_up(self, begin: int, end: int) -> None:
         """The drafter's context K/V of committed positions [begin, end) that plain steps left to the
