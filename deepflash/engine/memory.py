@@ -78,6 +78,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
     parts["workspace"] = _workspace(cfg, item, max_ctx, min(config.prefill_chunk, max_ctx), block, width)
+    parts["token counts"] = cfg.vocab_size * 5  # the penalties' int32 output counts and bool prompt set
     aside = drafter is not None and commits_aside(torch.device(device).type == "cuda", shared_device)
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), config.cuda_graphs, aside)
     return MemoryPlan(max_ctx, window, feature_dtype, parts)
@@ -103,8 +104,9 @@ def _workspace(cfg, item: int, max_ctx: int, chunk: int, block: int, width: int)
     # features are captured per tap, concatenated, then stored and decoded as float32 for the drafter
     per_token += width * (2 * item + 8)
     prefill = chunk * (per_token + max_ctx) + cfg.vocab_size * 4
-    # verify: logits, float32 adjusted scores, float64 uniforms and float32 gumbel noise over the vocabulary
-    verify = block * (per_token + max_ctx + cfg.vocab_size * (item + 4 + 8 + 4 + 8))
+    # verify: logits, float32 adjusted scores, float64 uniforms and float32 gumbel noise over the vocabulary,
+    # and with penalties the rows' int32 counts (one-hot, running sum, sum), a bool mask and float32 scores
+    verify = block * (per_token + max_ctx + cfg.vocab_size * (item + 4 + 8 + 4 + 8 + 17))
     return max(prefill, verify)
 
 
