@@ -339,3 +339,19 @@ def site_packages(tmp_path, monkeypatch, text_of):
         f.write_text(text_of(i))
     monkeypatch.setattr(prompts, "site_package_files", lambda: list(files))
     return prompts
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer (256 ids, no merges) that round-trips any text, with a chat template that
+    knows only roles and contents: for server tests whose prompts must be read back as text."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    raw = RawTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw)
+    hf.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+    return Tokenizer(hf)

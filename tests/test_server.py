@@ -68,9 +68,9 @@ class Probe:
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, **app_args):
+def serving(engine: Engine, tokenizer=TOKENIZER, **app_args):
     """Run the app on a free loopback port in a background thread; yields the base URL."""
-    app = create_app(engine, TOKENIZER, MODEL, **app_args)
+    app = create_app(engine, tokenizer, MODEL, **app_args)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -228,7 +228,10 @@ def test_no_drafter_reports_null_speculation():
 
 # --- client errors ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("body, status, param, message", [
-    (chat_body("w5", n=2), 400, "n", "only n=1 is supported"),
+    (chat_body("w5", n=17), 400, "n", "less than or equal to 16"),
+    (chat_body("w5", presence_penalty=3), 400, None, "presence_penalty must be in [-2, 2]"),
+    (chat_body("w5", logprobs=True, top_logprobs=21), 400, "top_logprobs", "less than or equal to 20"),
+    (chat_body("w5", tool_choice="required"), 400, None, "tool_choice 'required' needs at least one tool"),
     (chat_body("w5", model="gpt-4"), 404, None, "model 'gpt-4' is not served here"),
     (chat_body("w5 " * 600), 400, None, "the prompt has"),
     (chat_body("w5", temperature=-1), 400, None, "temperature must be"),
@@ -238,9 +241,10 @@ def test_no_drafter_reports_null_speculation():
     (chat_body("w5", stop=[""]), 400, None, "stop strings must be non-empty"),
     ({"messages": []}, 400, "messages", "at least 1 item"),
     ({"temperature": 0}, 400, "messages", "Field required"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "w5"}]}]}, 400, "messages.0.content",
-     "valid string"),
-    ({"messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages.0.role", "'system', 'user' or 'assistant'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages.0.content", "a list of text parts"),
+    ({"messages": [{"role": "user"}]}, 400, "messages.0", "a user message needs content"),
+    ({"messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages.0.role", "'user', 'assistant' or 'tool'"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_errors(shared, body, status, param, message, stream):

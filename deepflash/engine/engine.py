@@ -52,6 +52,7 @@ class Result:
     seed: int | None
     spec: SpecStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked for them
+    stop_string: str | None = None  # the stop string the output ended at, if one
 
     @property
     def generated_tokens(self) -> int:
@@ -208,7 +209,7 @@ class Engine:
             spec.spec_s = phases.get("spec", 0.0)
         result = Result(seq.tracker.text, seq.tracker.tokens, len(prompt_ids), seq.tracker.finish_reason,
                         prefill_s, decode_s, None if params.greedy else params.seed, spec,
-                        seq.logprobs if params.logprobs is not None else None)
+                        seq.logprobs if params.logprobs is not None else None, seq.tracker.stop_string)
         yield Chunk(seq.tracker.stream(), [], result, [] if params.logprobs is not None else None)
 
     def wait_idle(self) -> None:

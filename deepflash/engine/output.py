@@ -21,6 +21,7 @@ class OutputTracker:
         self.text = ""
         self.streamed = 0
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string the output ended at, if one
 
     @property
     def finished(self) -> bool:
@@ -47,9 +48,10 @@ class OutputTracker:
             self.finish_reason = reason
 
     def _cut_at_stop_string(self, search_from: int) -> None:
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop_strings) if i >= 0]
+        hits = [(i, s) for s in self.stop_strings if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_string = min(hits)
+            self.text = self.text[:at]
             self.finish_reason = "stop"
 
     def stream(self) -> str:

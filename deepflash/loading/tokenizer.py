@@ -43,14 +43,26 @@ class Tokenizer:
         """chat() for many conversations: one batched encode, which a fast tokenizer spreads over threads."""
         if not conversations:  # (the fast tokenizer fails on an empty batch) e.g. training data of recall prompts
             return []
-        if not self.hf.chat_template:
-            raise UserError("this model has no chat template; pass --raw to send the prompt as plain text")
         for m in (m for messages in conversations for m in messages):
             if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
                 raise UserError("each message needs a role (system, user or assistant) and a string content")
-        texts = [self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-                 for messages in conversations]
+        texts = [self.template_text(messages, **template_kwargs) for messages in conversations]
         return self.hf(texts, add_special_tokens=False)["input_ids"]
+
+    def template_text(self, messages: list[dict], **template_kwargs) -> str:
+        """A conversation rendered by the model's chat template as text, ending with the assistant's turn
+        opened (template_kwargs: tools, enable_thinking, ... for templates that take them)."""
+        if not self.hf.chat_template:
+            raise UserError("this model has no chat template; pass --raw to send the prompt as plain text")
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               **template_kwargs)
+        except Exception as err:  # the template's own checks (jinja2's TemplateError, TypeError on a None)
+            raise UserError(f"the model's chat template cannot render these messages: {err}") from None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of text a chat template rendered (which holds its special tokens already)."""
+        return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def stop_ids(self, model_eos: tuple[int, ...] = ()) -> frozenset[int]:
         ids = set(model_eos)

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes in front of one engine worker, plus /health and /metrics."""
+"""The FastAPI app: OpenAI and Anthropic routes in front of one engine worker, plus /health and /metrics."""
 
 from __future__ import annotations
 
@@ -8,18 +8,23 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine.engine import Chunk, Engine
+from ..engine.engine import Chunk, Engine, Result
+from ..engine.sampling import SamplingParams
 from ..errors import NotFound
 from ..loading.tokenizer import Tokenizer
+from .anthropic_api import CountTokensRequest, MessageReply, MessagesRequest
+from .chat import Rendered, render
 from .errors import ClientGone, describe, install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
-from .protocol import ChatRequest, ChatShape, CompletionRequest, CompletionShape, GenerationRequest, Reply
+from .openai_api import ChatRequest, CompletionRequest, GenerationRequest, Reply
+from .reply import Event, ReplyParser
 from .worker import EngineWorker, Job
 
 MODEL_ALIAS = "deepflash"  # accepted in place of the served model's name
@@ -52,26 +57,87 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, queue_s
         if name not in (None, model_name, MODEL_ALIAS):
             raise NotFound(f"model {name!r} is not served here; use {model_name!r} (or {MODEL_ALIAS!r})")
 
-    async def generate(request: Request, body: GenerationRequest, prompt_ids: list[int], reply: Reply):
+    async def openai_reply(request: Request, body: GenerationRequest, rendered: Rendered, reply: Reply):
         params = body.sampling_params(engine.max_ctx).validated()  # a bad request takes no queue slot
-        job = worker.submit(prompt_ids, params)
+        n = body.n or 1
         if not body.stream:
-            return reply.complete(await while_connected(request, job, job.result()))
+            choices, results = [], []
+            for index in range(n):
+                job = worker.submit(rendered.ids, choice_params(params, index))
+                result = await while_connected(request, job, job.result())
+                parser = reply_parser(reply, rendered)
+                events = parser.feed(rendered.forced + result.text) + parser.finish()
+                choices.append(reply.choice(index, result, events, parser.calls))
+                results.append(result)
+            return reply.body(choices, results=results)
         # wait for the first chunk before answering, so that a prompt the engine refuses still gets its 4xx
+        job = worker.submit(rendered.ids, params)
         first = await while_connected(request, job, job.next_chunk())
-        return StreamingResponse(events(job, first, reply), media_type="text/event-stream")
+        return StreamingResponse(openai_events(job, first, rendered, reply, params, n), media_type="text/event-stream")
+
+    async def openai_events(job: Job, first: Chunk, rendered: Rendered, reply: Reply, params: SamplingParams,
+                            n: int) -> AsyncIterator[str]:
+        """Server-sent events of the n choices, one after another. Starlette cancels this generator when the
+        client disconnects; `finally` then cancels the running job."""
+        results: list[Result] = []
+        try:
+            for index in range(n):
+                if index:
+                    job = worker.submit(rendered.ids, choice_params(params, index))
+                    first = await job.next_chunk()
+                parser = reply_parser(reply, rendered)
+                chunk, text = first, rendered.forced + first.text
+                delta = reply.delta(index, parser.feed(text), chunk.logprobs, 0, first=True)
+                yield sse(reply.body([delta], chunk=True))
+                while chunk.result is None:
+                    chunk = await job.next_chunk()
+                    events = parser.feed(chunk.text) + (parser.finish() if chunk.result is not None else [])
+                    delta = reply.delta(index, events, chunk.logprobs, len(parser.calls) - count_calls(events))
+                    if delta is not None:
+                        yield sse(reply.body([delta], chunk=True))
+                results.append(chunk.result)
+                last = reply.last_delta(index, chunk.result, parser.calls)
+                yield sse(reply.body([last], chunk=True, results=results if index == n - 1 else ()))
+            yield "data: [DONE]\n\n"
+        except Exception as err:  # the status line is sent already: report in the stream, as OpenAI does
+            error = describe(err)
+            if error.status == 500:
+                log.exception("generation failed mid-stream")
+            yield sse(error.body())
+        finally:
+            job.cancel()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         check_model(body.model)
-        prompt_ids = tokenizer.chat([m.model_dump() for m in body.messages])
-        return await generate(request, body, prompt_ids, Reply(ChatShape, model_name))
+        rendered = render(tokenizer, body.conversation())
+        return await openai_reply(request, body, rendered, Reply("chat", model_name, tokenizer))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         check_model(body.model)
-        prompt_ids = tokenizer.encode(body.prompt)
-        return await generate(request, body, prompt_ids, Reply(CompletionShape, model_name))
+        rendered = Rendered(tokenizer.encode(body.prompt), body.prompt, "", False, None)
+        return await openai_reply(request, body, rendered, Reply("text", model_name, tokenizer))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request, body: MessagesRequest):
+        """Anthropic's Messages API. Any model name is taken (an agent such as Claude Code asks for its own
+        model names); the response names the served model."""
+        rendered = render(tokenizer, body.conversation())
+        params = body.sampling_params().validated()
+        job = worker.submit(rendered.ids, params)
+        message = MessageReply(model_name)
+        if not body.stream:
+            result = await while_connected(request, job, job.result())
+            parser = ReplyParser(rendered.tools, rendered.thinking)
+            events = parser.feed(rendered.forced + result.text) + parser.finish()
+            return message.message(result, events, parser.calls)
+        first = await while_connected(request, job, job.next_chunk())
+        return StreamingResponse(anthropic_events(job, first, rendered, message), media_type="text/event-stream")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        return {"input_tokens": len(render(tokenizer, body.conversation()).ids)}
 
     @app.get("/v1/models")
     async def models():
@@ -88,6 +154,51 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, queue_s
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def reply_parser(reply: Reply, rendered: Rendered) -> ReplyParser:
+    """Chat replies are parsed for reasoning and tool calls; text completions are not."""
+    if reply.kind == "chat":
+        return ReplyParser(rendered.tools, rendered.thinking)
+    return ReplyParser(None)
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The n-th choice's parameters: its own seed, so that sampled choices differ (greedy ones cannot)."""
+    return params if index == 0 else replace(params, seed=params.seed + index)
+
+
+def count_calls(events: list[Event]) -> int:
+    return sum(e.kind == "tool_call" for e in events)
+
+
+async def anthropic_events(job: Job, first: Chunk, rendered: Rendered, message: MessageReply) -> AsyncIterator[str]:
+    """Anthropic's event stream of one message; `finally` cancels the job if the client left."""
+    try:
+        yield event_sse(message.start(len(rendered.ids)))
+        parser = ReplyParser(rendered.tools, rendered.thinking)
+        chunk, text = first, rendered.forced + first.text
+        while True:
+            events = parser.feed(text) + (parser.finish() if chunk.result is not None else [])
+            for event in message.events(events):
+                yield event_sse(event)
+            if chunk.result is not None:
+                break
+            chunk = await job.next_chunk()
+            text = chunk.text
+        for event in message.end(chunk.result, parser.calls):
+            yield event_sse(event)
+    except Exception as err:  # the status line is sent already: an error event, as Anthropic's stream has
+        error = describe(err)
+        if error.status == 500:
+            log.exception("generation failed mid-stream")
+        yield event_sse(error.anthropic_body())
+    finally:
+        job.cancel()
+
+
+def event_sse(body: dict) -> str:
+    return f"event: {body['type']}\ndata: {json.dumps(body)}\n\n"
 
 
 async def while_connected(request: Request, job: Job, waiting: Awaitable[T]) -> T:
@@ -110,27 +221,6 @@ async def disconnected(request: Request) -> None:
     """Returns when the client goes away (the request body has been read, so only that message is left)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def events(job: Job, first: Chunk, reply: Reply) -> AsyncIterator[str]:
-    """Server-sent events of one stream. Starlette cancels this generator when the client disconnects;
-    `finally` then cancels the job."""
-    try:
-        chunk = first
-        yield sse(reply.chunk(chunk.text, first=True))
-        while chunk.result is None:
-            chunk = await job.next_chunk()
-            if chunk.text:
-                yield sse(reply.chunk(chunk.text))
-        yield sse(reply.last_chunk(chunk.result))
-        yield "data: [DONE]\n\n"
-    except Exception as err:  # the status line is sent already: report in the stream, as OpenAI does
-        error = describe(err)
-        if error.status == 500:
-            log.exception("generation failed mid-stream")
-        yield sse(error.body())
-    finally:
-        job.cancel()
 
 
 def sse(body: dict) -> str:

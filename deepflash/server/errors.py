@@ -1,4 +1,5 @@
-"""Every failure as an OpenAI error body {"error": {message, type, param, code}} with its HTTP status.
+"""Every failure as an error body with its HTTP status: OpenAI's {"error": {message, type, param, code}}, or
+Anthropic's {"type": "error", "error": {type, message}} on the Anthropic routes (/v1/messages...).
 
 Client mistakes are 4xx and name their fix; a full queue is 503 with Retry-After; anything unexpected
 is a 500 for that one request (logged with its traceback), and the server goes on serving.
@@ -14,8 +15,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import NotFound, UserError
+from .anthropic_api import error_body
 from .worker import JobCancelled, QueueFull
 
+ANTHROPIC_ROUTES = "/v1/messages"
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
@@ -36,8 +39,12 @@ class ApiError:
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        return error_body(self.status, self.message)
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def describe(err: Exception) -> ApiError:
@@ -71,7 +78,7 @@ def _invalid_request(err: RequestValidationError) -> ApiError:
 
 
 async def _handle(request: Request, err: Exception) -> JSONResponse:
-    return describe(err).response()
+    return describe(err).response(anthropic=request.url.path.startswith(ANTHROPIC_ROUTES))
 
 
 def install_error_handlers(app: FastAPI) -> None:
