@@ -284,9 +284,9 @@ def test_unexpected_error_fails_one_request_only():
 
 
 # --- one worker, a bounded FIFO queue ---------------------------------------------------------------
-def post_in_thread(url: str, body: dict, results: dict, key) -> threading.Thread:
+def post_in_thread(url: str, body: dict, results: dict, key, path: str = "/v1/chat/completions") -> threading.Thread:
     def send():
-        results[key] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        results[key] = httpx.post(f"{url}{path}", json=body, timeout=30)
 
     thread = threading.Thread(target=send)
     thread.start()

@@ -16,7 +16,7 @@ import pytest
 from helpers import byte_tokenizer, drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import serving
+from test_server import Probe, metric, post_in_thread, serving, wait_for
 
 from deepflash.engine.config import EngineConfig
 from deepflash.engine.engine import Chunk, Engine, Result
@@ -293,6 +293,32 @@ def test_anthropic_errors_have_anthropic_bodies(body, status, kind, message):
     assert error["type"] == "error" and error["error"]["type"] == kind and message in error["error"]["message"]
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_overload_and_a_client_that_leaves():
+    """A full queue is 503 with an overloaded_error body and Retry-After; a client that leaves cancels its
+    generation (499 in /metrics)."""
+    engine = ScriptedEngine([], default="long " * 100)
+    probe = Probe(engine)
+    probe.gate.clear()  # the first generation holds the worker until the gate opens
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    with serving(engine, tokenizer=engine.tokenizer, queue_size=1) as url:
+        results: dict = {}
+        threads = [post_in_thread(url, body, results, "running", path="/v1/messages")]
+        wait_for(lambda: metric(url, "deepflash_running_requests") == 1)
+        threads.append(post_in_thread(url, body, results, "queued", path="/v1/messages"))
+        wait_for(lambda: metric(url, "deepflash_queue_depth") == 1)
+        refused = httpx.post(f"{url}/v1/messages", json=body)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert refused.json()["error"]["type"] == "overloaded_error"
+        probe.gate.set()
+        for thread in threads:
+            thread.join()
+        assert results["running"].status_code == results["queued"].status_code == 200
+        probe.step_delay = 0.05
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/messages", json=body | {"max_tokens": 400}, timeout=0.2)
+        wait_for(lambda: metric(url, 'deepflash_requests_total{endpoint="/v1/messages",status="499"}') == 1)
 
 
 # --- fuzzing -------------------------------------------------------------------------------------------
