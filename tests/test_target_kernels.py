@@ -286,6 +286,30 @@ def test_engine_with_triton_attention_kernels_keeps_the_greedy_contract(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalties_and_logprobs_keep_the_contract_on_the_kernels(dtype, monkeypatch):
+    """With penalties and log-probabilities (their own step graphs on the GPU), speculative decoding with
+    mostly-right drafts emits plain decoding's tokens and log-probabilities, on the Triton kernels (the
+    latter to rounding: the LM head is torch's GEMM, whose sums may follow the number of rows)."""
+    from helpers import drafter_config, oracle, tiny_drafter, tiny_tokenizer
+
+    from deepflash.engine.engine import Engine
+    from deepflash.engine.sampling import SamplingParams
+    from deepflash.models import materialize
+
+    target = random_model(llama_config(), DEVICE, dtype, std=0.2)
+    drafter = materialize(tiny_drafter(drafter_config(target.cfg), dtype=dtype).to(DEVICE), DEVICE)
+    tokenizer = tiny_tokenizer()
+    ids = torch.randint(5, 90, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    params = SamplingParams(max_new_tokens=16, logprobs=2, presence_penalty=0.8, repetition_penalty=1.3)
+    plain = Engine(target, tokenizer, config=EngineConfig(target_kernels="triton")).complete(ids, params)
+    oracle(monkeypatch, plain.token_ids, len(ids), wrong_every=3)
+    spec = Engine(target, tokenizer, drafter, config=EngineConfig(spec="on", target_kernels="triton", block_size=4)
+                  ).complete(ids, params)
+    assert spec.token_ids == plain.token_ids and max(spec.spec.histogram[1:]) > 0
+    assert [e.logprob for e in spec.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_kernels_match_torch(dtype):
     """add_rms_norm and silu_mul against the torch forms, on widths that are not powers of two."""
     from deepflash.kernels.layer_ops import add_rms_norm, silu_mul

@@ -1,7 +1,8 @@
 """Log-probabilities of the chosen tokens, and of the likeliest alternatives, from the target's logits.
 
 They are the target's own distribution at each emitted position (log-softmax of its logits, before
-penalties, temperature and filters: vLLM's default), so a verify block's rows give plain decoding's values.
+penalties, temperature and filters: vLLM's default), so a verify block's rows give plain decoding's values
+(to the LM head's rounding: torch's GEMM may sum a block's rows in another order than one row's).
 Each step writes its rows into a slot of a device buffer, as its result goes to the mailbox's slot (the
 same numbering), and the host reads the slot once the step has completed, only for requests that asked.
 """
