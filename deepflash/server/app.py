@@ -21,7 +21,7 @@ from ..errors import NotFound
 from ..loading.tokenizer import Tokenizer
 from .anthropic_api import CountTokensRequest, MessageReply, MessagesRequest
 from .chat import Rendered, render
-from .errors import ClientGone, describe, install_error_handlers
+from .errors import ApiError, ClientGone, describe, install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .openai_api import ChatRequest, CompletionRequest, GenerationRequest, Reply
 from .reply import Event, ReplyParser
@@ -100,10 +100,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, queue_s
                 yield sse(reply.body([last], chunk=True, results=results if index == n - 1 else ()))
             yield "data: [DONE]\n\n"
         except Exception as err:  # the status line is sent already: report in the stream, as OpenAI does
-            error = describe(err)
-            if error.status == 500:
-                log.exception("generation failed mid-stream")
-            yield sse(error.body())
+            yield sse(mid_stream(err).body())
         finally:
             job.cancel()
 
@@ -189,12 +186,17 @@ async def anthropic_events(job: Job, first: Chunk, rendered: Rendered, message: 
         for event in message.end(chunk.result, parser.calls):
             yield event_sse(event)
     except Exception as err:  # the status line is sent already: an error event, as Anthropic's stream has
-        error = describe(err)
-        if error.status == 500:
-            log.exception("generation failed mid-stream")
-        yield event_sse(error.anthropic_body())
+        yield event_sse(mid_stream(err).anthropic_body())
     finally:
         job.cancel()
+
+
+def mid_stream(err: Exception) -> ApiError:
+    """A failure after the stream's status line: described, and logged with its traceback if unexpected."""
+    error = describe(err)
+    if error.status == 500:
+        log.exception("generation failed mid-stream")
+    return error
 
 
 def event_sse(body: dict) -> str:
