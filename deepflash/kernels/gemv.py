@@ -31,6 +31,7 @@ import torch
 
 from . import pdl
 from .arrivals import arrival_counters
+from .config import SHIPPED as SHIPPED_KERNELS
 from .config import ProjectionTiling
 from .triton_support import INTERPRETED, tl, triton
 
@@ -40,7 +41,7 @@ if triton is not None:
 TILE = 16  # rows of the tensor-core product (the kernel's tl.arange(0, 16)); more rows take torch's GEMM
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_BLOCKS = 1 << 16  # column blocks of the widest projection (a 1M-wide output at BLOCK_N 16)
-SHIPPED = ProjectionTiling()
+SHIPPED = SHIPPED_KERNELS.projections  # the tiling the engine runs
 NORM, ADD_NORM, SILU, PLAIN = 0, 1, 2, 3  # the prologue (PLAIN: none)
 
 
