@@ -355,3 +355,28 @@ def byte_tokenizer() -> Tokenizer:
     hf = PreTrainedTokenizerFast(tokenizer_object=raw)
     hf.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
     return Tokenizer(hf)
+
+
+HYBRID_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def text_config(kind: str, **overrides) -> dict:
+    """A tiny Qwen3.5 text config; k and v head dims differ so that a swapped axis cannot pass."""
+    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=5, layer_types=HYBRID_TYPES, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               max_position_embeddings=512, eos_token_id=EOS,
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+    if kind == "moe":
+        cfg.update(model_type="qwen3_5_moe_text", moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   num_experts=8, num_experts_per_tok=2)
+    else:
+        cfg.update(model_type="qwen3_5_text", intermediate_size=96)
+    cfg.update(overrides)
+    return cfg
+
+
+def hybrid_target(kind: str, dtype=torch.float64, seed=0, std=0.2, **overrides):
+    """A random hybrid target over the helpers' tiny vocabulary (for the engine tests)."""
+    cfg = text_config(kind, **{"vocab_size": VOCAB, "tie_word_embeddings": True, **overrides})
+    return random_model(ModelConfig.from_hf(cfg), dtype=dtype, seed=seed, std=std)

@@ -189,3 +189,20 @@ def test_recall_prompts_repeat_a_modules_opening_after_it():
     for bad in ("7500", "7500:3000", "7500:7500", "1000:563", "a:b"):
         with pytest.raises(UserError, match="--recall"):
             _recall_shape(bad, 128)
+
+
+def test_agent_turns_compare_the_cached_engine_with_a_cold_one():
+    from deepflash.bench.agent import TokenConversation, conversation_rows
+
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    drafter = tiny_drafter(drafter_config(target.cfg, block_size=4))
+    config = EngineConfig(spec="on", block_size=4, prefill_chunk=16, prefix_block=8)
+    cached = Engine(target, tokenizer, drafter, replace(config, prefix_cache=True))
+    cold = Engine(target, tokenizer, drafter, config)
+    talks = [TokenConversation(target.cfg.vocab_size, seed, 20, 9) for seed in (0, 1)]
+    rows = conversation_rows(cached, cold, talks, 3, SamplingParams(max_new_tokens=6))
+    assert [(r["conversation"], r["turn"]) for r in rows] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert all(r["same_text"] for r in rows)
+    for r in rows:
+        computed, cold_computed = r["cached"]["computed_tokens"], r["cold"]["computed_tokens"]
+        assert cold_computed == r["prompt_tokens"] and computed <= (r["prompt_tokens"] if r["turn"] == 0 else 9 + 6)

@@ -5,12 +5,13 @@ the speculative contract on hybrid targets, and loading saved checkpoints."""
 import pytest
 import torch
 from helpers import (
-    EOS,
     VOCAB,
     check_left_padded_batch,
     drafter_config,
+    hybrid_target,
     oracle,
     sampled_distribution_check,
+    text_config,
     tiny_drafter,
     tiny_tokenizer,
 )
@@ -20,31 +21,11 @@ from deepflash.engine.engine import Engine
 from deepflash.engine.sampling import SamplingParams
 from deepflash.errors import UserError
 from deepflash.loading.targets import build_from_state, load_target
-from deepflash.models import random_model
 from deepflash.models.config import ModelConfig
 from deepflash.models.delta_rule import chunked_form, recurrent_form, state_after_prefix
 from deepflash.models.gated_deltanet import l2_normalize
 
 TOL = 1e-4
-TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
-
-
-def text_config(kind: str, **overrides) -> dict:
-    """A tiny Qwen3.5 text config; k and v head dims differ so that a swapped axis cannot pass."""
-    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=5, layer_types=TYPES, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-               max_position_embeddings=512, eos_token_id=EOS,
-               rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
-    if kind == "moe":
-        cfg.update(model_type="qwen3_5_moe_text", moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                   num_experts=8, num_experts_per_tok=2)
-    else:
-        cfg.update(model_type="qwen3_5_text", intermediate_size=96)
-    cfg.update(overrides)
-    return cfg
-
-
 def hf_pair(kind: str, **overrides):
     """A transformers model with random weights (norm offsets included) and ours loaded from its state dict."""
     import transformers
@@ -65,12 +46,6 @@ def hf_pair(kind: str, **overrides):
                 p.normal_(0, 0.1)
     ours = build_from_state(ModelConfig.from_hf(hf_cfg.to_dict()), dict(hf.state_dict()), "cpu", torch.float32)
     return hf, ours
-
-
-def hybrid_target(kind: str, dtype=torch.float64, seed=0, std=0.2, **overrides):
-    """A random hybrid target over the helpers' tiny vocabulary (for the engine tests)."""
-    cfg = text_config(kind, **{"vocab_size": VOCAB, "tie_word_embeddings": True, **overrides})
-    return random_model(ModelConfig.from_hf(cfg), dtype=dtype, seed=seed, std=std)
 
 
 def ids(n: int, seed: int, high: int = 128) -> torch.Tensor:

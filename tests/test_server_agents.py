@@ -32,7 +32,7 @@ class ScriptedEngine:
     """Stands in for the Engine: each generation streams the next scripted reply, five characters a chunk,
     and keeps its prompt as text (the byte tokenizer round-trips it)."""
 
-    block_size, max_ctx, drafter = 4, 4096, None
+    block_size, max_ctx, drafter, prefix = 4, 4096, None, None
 
     def __init__(self, replies: list[str], default: str = "Fine."):
         self.tokenizer = byte_tokenizer()

@@ -35,6 +35,10 @@ class EngineConfig:
     target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels
     prefill_chunk: int = 1024  # prompt tokens per prefill forward (a power of two)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
+    prefix_cache: bool = False  # reuse KV, states and features across requests (engine/prefix_cache.py; serve: on)
+    prefix_cache_mb: float | None = None  # its device memory; None = one context's worth (memory.prefix_cache_bytes)
+    prefix_cache_host_mb: float | None = None  # host memory blocks move to before they are dropped; None = auto
+    prefix_block: int = 256  # tokens per prefix-cache block
 
     def validated(self) -> EngineConfig:
         from ..drafter.features import RING_KERNELS
@@ -61,6 +65,12 @@ class EngineConfig:
             raise UserError(f"--trained-ctx must be >= 1, got {self.trained_ctx}")
         if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
             raise UserError(f"the prefill chunk must be a power of two, got {self.prefill_chunk}")
+        for name in ("prefix_cache_mb", "prefix_cache_host_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.prefix_block < 1:
+            raise UserError(f"the prefix-cache block must be at least 1 token, got {self.prefix_block}")
         return self
 
 

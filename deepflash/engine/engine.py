@@ -27,9 +27,12 @@ from ..loading.tokenizer import Detokenizer, Tokenizer
 from ..models import TargetModel
 from .config import EngineConfig, context_length
 from .controller import SpecController
-from .graphs import StepGraphs, kv_bucket, prefill_pieces
+from .graphs import StepGraphs, chunk_grid, kv_bucket, prefill_pieces
 from .logprobs import TokenLogprob
+from .memory import prefix_cache_bytes
 from .output import OutputTracker
+from .prefix_cache import PrefixCache
+from .prefix_reuse import PrefixReuse
 from .sampling import SamplingParams
 from .stats import PhaseTimer, SpecStats
 from .steps import Steps, StepState
@@ -53,6 +56,7 @@ class Result:
     spec: SpecStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked for them
     stop_string: str | None = None  # the stop string the output ended at, if one
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of computed
 
     @property
     def generated_tokens(self) -> int:
@@ -72,6 +76,7 @@ class Result:
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),
             "seed": self.seed,
+            "cached_tokens": self.cached_tokens,
         }
         if self.spec is not None:
             out.update(self.spec.to_json())
@@ -101,6 +106,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', where asked for
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     drafter_synced: int = 0  # positions below this have their K/V in the drafter's context (steps.Steps.plain)
+    cached: int = 0  # prompt positions the prefix cache restored
 
 
 @dataclass
@@ -160,6 +166,12 @@ class Engine:
         self.steps = Steps(target, self.cache, self.state, drafter, features, context)
         self.graphs = StepGraphs(self.state.buffers(), self.device, enabled=config.cuda_graphs, cache=self.cache)
         self.launches = 0  # decode steps launched: the next one's number
+        self.prefix = None
+        if config.prefix_cache:
+            on_device, on_host = prefix_cache_bytes(target, drafter, self.max_ctx, config, self.device)
+            index = PrefixCache(config.prefix_block, on_device, on_host, self.cache.has_state,
+                                self.window if drafter is not None else None)
+            self.prefix = PrefixReuse(index, self.cache, features, self.steps.catch_up, config.prefill_chunk)
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -204,12 +216,15 @@ class Engine:
         # steps still in flight run past the output's end: their results are discarded and the result does
         # not wait for them (the next request's first device work queues behind them: its prefill time)
         decode_s = time.perf_counter() - t1
+        if self.prefix is not None:
+            self.prefix.save_output(seq.tokens, seq.processed, self._processed_bound(seq, inflight))
         if spec is not None:
             phases = timer.collect(collected)
             spec.spec_s = phases.get("spec", 0.0)
         result = Result(seq.tracker.text, seq.tracker.tokens, len(prompt_ids), seq.tracker.finish_reason,
                         prefill_s, decode_s, None if params.greedy else params.seed, spec,
-                        seq.logprobs if params.logprobs is not None else None, seq.tracker.stop_string)
+                        seq.logprobs if params.logprobs is not None else None, seq.tracker.stop_string,
+                        seq.cached)
         yield Chunk(seq.tracker.stream(), [], result, [] if params.logprobs is not None else None)
 
     def wait_idle(self) -> None:
@@ -237,12 +252,13 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, seq: Sequence, cancelled: Callable[[], bool] | None) -> None:
-        """The prompt in pieces (prefill_pieces). Where the target allows it they are powers of two that
-        may overlap, each run as a CUDA graph per (size, KV bucket): an eager prefill chunk is hundreds of
-        host-bound kernel launches (~12 ms for a 170-token prompt on an H200). Else (recurrent layers)
-        consecutive chunks of prefill_chunk, eager. With `cancelled`, the host keeps at most two pieces
-        queued on the device and asks it before each launch: a cancelled request stops within about two
-        pieces' time, where the host would otherwise queue the whole prompt at once."""
+        """The prompt in pieces (prefill_pieces), from where the prefix cache's restore leaves it. Where the
+        target allows it they are powers of two that may overlap, each run as a CUDA graph per (size, KV
+        bucket): an eager prefill chunk is hundreds of host-bound kernel launches (~12 ms for a 170-token
+        prompt on an H200). Else (recurrent layers) consecutive chunks on the grid of prefill_chunk, eager.
+        With `cancelled`, the host keeps at most two pieces queued on the device and asks it before each
+        launch: a cancelled request stops within about two pieces' time, where the host would otherwise
+        queue the whole prompt at once."""
         if self.steps.features is not None:
             self.steps.features.reset()
             self.steps.context.reset()
@@ -252,9 +268,10 @@ class Engine:
         self.state.prompt[:n].copy_(torch.tensor(seq.tokens))
         if params.penalized:
             self.state.counts.reset(self.state.prompt[:n])
+        seq.cached = self.prefix.restore(seq.tokens) if self.prefix is not None else 0
         graphs = self.target.idempotent_positions
         chunk = self.config.prefill_chunk
-        pieces = prefill_pieces(n, chunk) if graphs else [(lo, min(chunk, n - lo)) for lo in range(0, n, chunk)]
+        pieces = prefill_pieces(n, chunk, seq.cached) if graphs else chunk_grid(seq.cached, n, chunk)
         queued: deque[torch.cuda.Event] = deque()
         for lo, size in pieces:
             if cancelled is not None:
@@ -269,6 +286,8 @@ class Engine:
                 self.graphs.run(("prefill", size, kv_len) + params.graph_key, step)
             else:
                 step()
+            if self.prefix is not None:
+                self.prefix.save_prefill(seq.tokens, lo + size, final=lo + size == n)
             if cancelled is not None and self.device.type == "cuda":
                 queued.append(torch.cuda.Event())
                 queued[-1].record()

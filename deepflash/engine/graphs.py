@@ -103,14 +103,20 @@ def kv_bucket(needed: int, max_ctx: int, floor: int = 256) -> int:
     return min(span, max_ctx)
 
 
-def prefill_pieces(n: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, size) pieces covering positions [0, n) in power-of-two sizes up to `chunk` (a power of
+def prefill_pieces(n: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
+    """(start, size) pieces covering positions [start, n) in power-of-two sizes up to `chunk` (a power of
     two), so that few graph variants serve every prompt length: whole chunks, then the rest in at most
     two pieces, the last ending at n. A rest that is not a power of two is covered by the smallest
     power of two above it, reaching back over positions already done: running a position again
-    rewrites its KV and features with the same values (targets with `idempotent_positions`)."""
-    pieces = [(lo, chunk) for lo in range(0, n - chunk + 1, chunk)]
-    done = len(pieces) * chunk
+    rewrites its KV and features with the same values (targets with `idempotent_positions`).
+    From a `start` inside the prompt (a prefix-cache hit), aligned pieces first climb to the chunk grid,
+    so that the rest falls where a prefill from 0 puts it."""
+    pieces, lo = [], start
+    while lo % chunk and lo + (lo & -lo) <= n:  # lo & -lo: the largest power of two dividing lo
+        pieces.append((lo, lo & -lo))
+        lo += lo & -lo
+    pieces += [(at, chunk) for at in range(lo, n - chunk + 1, chunk)]
+    done = pieces[-1][0] + pieces[-1][1] if pieces else start
     if done == 0 and n:  # a short prompt: its largest power of two first
         done = 1 << (n.bit_length() - 1)
         pieces.append((0, done))
@@ -119,3 +125,10 @@ def prefill_pieces(n: int, chunk: int) -> list[tuple[int, int]]:
         size = 1 << (rest - 1).bit_length()  # <= done: the piece starts at or after position 0
         pieces.append((n - size, size))
     return pieces
+
+
+def chunk_grid(start: int, n: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, size) pieces covering [start, n) once each, cut where multiples of `chunk` fall (the
+    prefill of targets that cannot run a position twice)."""
+    cuts = [start, *range(start - start % chunk + chunk, n, chunk), n]
+    return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]

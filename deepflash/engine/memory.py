@@ -81,7 +81,34 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     parts["token counts"] = cfg.vocab_size * 5  # the penalties' int32 output counts and bool prompt set
     aside = drafter is not None and commits_aside(torch.device(device).type == "cuda", shared_device)
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), config.cuda_graphs, aside)
+    if config.prefix_cache:
+        parts["prefix cache"] = prefix_cache_bytes(target, drafter, max_ctx, config, device)[0]
     return MemoryPlan(max_ctx, window, feature_dtype, parts)
+
+
+def prefix_cache_bytes(target, drafter, max_ctx: int, config: EngineConfig,
+                       device: torch.device | str) -> tuple[int, int]:
+    """The prefix cache's (device, host) budgets. Device, by default: one context's worth, i.e. the KV and
+    tap features of max_ctx positions and, for a hybrid target, its states at every prefill chunk along
+    them, so that a whole conversation stays cached while another runs. Host, by default: four times
+    that, at most a quarter of the host's memory, on a CUDA device (none on the CPU, whose device memory
+    is the host's)."""
+    if config.prefix_cache_mb is not None:
+        on_device = int(config.prefix_cache_mb * 2**20)
+    else:
+        per_token = target.kv_bytes_per_token()
+        if drafter is not None:
+            per_token += target.feature_bytes_per_token(len(drafter.cfg.target_layer_ids), target.dtype)
+        snapshots = -(-max_ctx // config.prefill_chunk) * (target.state_bytes() // 2)  # state_bytes: two copies
+        on_device = per_token * max_ctx + snapshots
+    if config.prefix_cache_host_mb is not None:
+        return on_device, int(config.prefix_cache_host_mb * 2**20)
+    if torch.device(device).type != "cuda":
+        return on_device, 0
+    import os
+
+    host_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return on_device, min(4 * on_device, host_memory // 4)
 
 
 def blas_workspaces(device: torch.device, cuda_graphs: bool, aside: bool) -> int:

@@ -47,6 +47,8 @@ class _Run:
 
 
 class HybridCache:
+    has_state = True
+
     def __init__(self, kv: KVCache, layers: int, batch: int, conv_channels: int, conv_width: int,
                  state_shape: tuple[int, int, int], dtype: torch.dtype, state_dtype: torch.dtype,
                  device: torch.device | str, rollback: str = "capture", rollback_tokens: int = 64):
@@ -71,6 +73,22 @@ class HybridCache:
     def nbytes(self) -> int:
         parts = (self.conv_all, self.state_all, self.start_conv_all, self.start_state_all)
         return self.kv.nbytes + sum(t.nbytes for t in parts)
+
+    def save_span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.save_span(lo, hi)
+
+    def load_span(self, lo: int, span: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.kv.load_span(lo, span)
+
+    def save_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the conv and recurrent states (the prefix cache's snapshot at a block's end)."""
+        return self.conv_all.clone(), self.state_all.clone()
+
+    def load_state(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Resume from save_state's copies: the next forward continues after the position they were taken at."""
+        self.conv_all.copy_(saved[0], non_blocking=True)
+        self.state_all.copy_(saved[1], non_blocking=True)
+        self._last = _Run(0)
 
     def begin(self, positions: torch.Tensor, rerun: Callable[[int], None]) -> None:
         """Called by the model before a forward at `positions`; rerun(n) feeds its first n tokens again.

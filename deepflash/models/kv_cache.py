@@ -12,6 +12,8 @@ import torch
 
 
 class KVCache:
+    has_state = False  # per-sequence state besides KV (hybrid_cache.HybridCache)
+
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
@@ -30,6 +32,17 @@ class KVCache:
 
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+    def save_span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions [lo, hi) of the first sequence: K and V [layers, Hkv, hi - lo, D] (the prefix
+        cache's block data)."""
+        return self.k[:, 0, :, lo:hi].clone(), self.v[:, 0, :, lo:hi].clone()
+
+    def load_span(self, lo: int, span: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Write save_span's K and V back at positions [lo, lo + n) (host tensors copy asynchronously)."""
+        n = span[0].shape[-2]
+        self.k[:, 0, :, lo : lo + n].copy_(span[0], non_blocking=True)
+        self.v[:, 0, :, lo : lo + n].copy_(span[1], non_blocking=True)
 
     def volatile(self) -> list[torch.Tensor]:
         """Buffers a discarded forward (a graph warm-up) would corrupt: none, rows past the committed

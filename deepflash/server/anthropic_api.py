@@ -154,7 +154,10 @@ def stop_reason(result: Result, calls: list[ToolCall]) -> str:
 
 
 def usage(result: Result) -> dict:
-    return {"input_tokens": result.prompt_tokens, "output_tokens": result.generated_tokens,
+    """Anthropic's counts: input_tokens are the prompt tokens computed, cache_read_input_tokens those the prefix
+    cache restored (their sum is the prompt)."""
+    return {"input_tokens": result.prompt_tokens - result.cached_tokens, "output_tokens": result.generated_tokens,
+            "cache_read_input_tokens": result.cached_tokens, "cache_creation_input_tokens": 0,
             "speculative_decoding": speculative_decoding(result.spec)}
 
 
@@ -168,6 +171,8 @@ class MessageReply:
         self.open: int | None = None  # the index of the block the stream has open
 
     def start(self, prompt_tokens: int) -> dict:
+        """message_start, sent before the prefill: the whole prompt counts as input until message_delta's
+        usage splits it into computed and cached tokens."""
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
@@ -192,9 +197,7 @@ class MessageReply:
         return out
 
     def end(self, result: Result, calls: list[ToolCall]) -> list[dict]:
-        usage_ = {"output_tokens": result.generated_tokens,
-                  "speculative_decoding": speculative_decoding(result.spec)}
-        return self._close() + [{"type": "message_delta", "usage": usage_,
+        return self._close() + [{"type": "message_delta", "usage": usage(result),
                                  "delta": {"stop_reason": stop_reason(result, calls),
                                            "stop_sequence": result.stop_string}},
                                 {"type": "message_stop"}]

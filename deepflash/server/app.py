@@ -39,6 +39,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, queue_s
     metrics = ServerMetrics(engine.block_size)
     worker = EngineWorker(engine, queue_size, metrics)
     metrics.watch(lambda: worker.waiting, lambda: worker.busy)
+    if engine.prefix is not None:
+        metrics.watch_prefix_cache(engine.prefix.index)
     created = int(time.time())
 
     @asynccontextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from ..errors import UserError
 
@@ -17,6 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--queue-size", type=int, default=16,
                        help="requests that may wait for the engine; beyond that clients get 503 + Retry-After")
+    cache = serve.add_argument_group("prefix cache (KV, states and drafter features reused across requests)")
+    cache.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt from its first token")
+    cache.add_argument("--prefix-cache-mb", type=float,
+                       help="its device memory in MiB (default: one context's worth, counted in the memory plan)")
+    cache.add_argument("--prefix-cache-host-mb", type=float,
+                       help="host memory in MiB that blocks move to before they are dropped (default: 4x the device "
+                            "budget, at most a quarter of the host's memory; none on a CPU device)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -29,7 +37,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.queue_size < 1:
         raise UserError(f"--queue-size must be >= 1, got {args.queue_size}")
-    rt = load_runtime(engine_config(args))
+    config = replace(engine_config(args), prefix_cache=not args.no_prefix_cache, prefix_cache_mb=args.prefix_cache_mb,
+                     prefix_cache_host_mb=args.prefix_cache_host_mb)
+    rt = load_runtime(config.validated())
     app = create_app(rt.engine, rt.tokenizer, rt.model_name, queue_size=args.queue_size, draft_name=rt.draft_name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -10,9 +10,11 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.engine import Chunk, Result
+from ..engine.prefix_cache import PrefixCache
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -50,6 +52,10 @@ class ServerMetrics:
         self.queue_depth.set_function(waiting)
         self.running.set_function(lambda: float(busy()))
 
+    def watch_prefix_cache(self, index: PrefixCache) -> None:
+        """Export the engine's prefix cache, read at scrape time."""
+        self.registry.register(PrefixCacheCollector(index))
+
     def observe_chunk(self, index: int, chunk: Chunk, seconds: float) -> None:
         """`seconds` since the previous chunk, or since queueing for the first: the engine yields one chunk
         after prefill, one per decode step, then a last one carrying the result."""
@@ -75,6 +81,26 @@ class ServerMetrics:
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         self.request_seconds.labels(endpoint).observe(seconds)
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counters and sizes (engine/prefix_cache.py), read from its stats when scraped."""
+
+    def __init__(self, index: PrefixCache):
+        self.index = index
+
+    def collect(self):
+        stats, index = self.index.stats, self.index
+        for name, value, text in (("hit_tokens", stats.hit_tokens, "Prompt tokens restored from the prefix cache"),
+                                  ("miss_tokens", stats.miss_tokens, "Prompt tokens computed (not in the prefix cache)"),
+                                  ("evictions", stats.evictions, "Prefix-cache blocks dropped for memory"),
+                                  ("demotions", stats.demotions, "Prefix-cache blocks moved to host memory")):
+            yield CounterMetricFamily(f"deepflash_prefix_cache_{name}", text, value=value)
+        size = GaugeMetricFamily("deepflash_prefix_cache_bytes", "Bytes the prefix cache holds", labels=["tier"])
+        size.add_metric(["device"], index.device_bytes)
+        size.add_metric(["host"], index.host_bytes)
+        yield size
+        yield GaugeMetricFamily("deepflash_prefix_cache_blocks", "Blocks the prefix cache holds", value=len(index.blocks))
 
 
 class RequestMetricsMiddleware:

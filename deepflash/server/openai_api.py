@@ -260,10 +260,12 @@ def tool_call(call: ToolCall, index: int | None = None) -> dict:
 
 
 def report(results: list[Result]) -> dict:
-    """usage summed over the choices; the first choice's speculative metrics (each choice is a generation)."""
+    """usage summed over the choices (the prompt and its cached part counted once); the first choice's
+    speculative metrics (each choice is a generation)."""
     prompt = results[0].prompt_tokens
     generated = sum(r.generated_tokens for r in results)
-    return {"usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+    return {"usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                      "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}},
             "metrics": {"speculative_decoding": speculative_decoding(results[0].spec)}}
 
 
