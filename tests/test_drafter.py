@@ -277,3 +277,22 @@ def test_shipped_drafter_fits_the_repo_and_its_target():
     cfg = DrafterConfig.from_hf(json.loads((DEFAULT_DRAFTER / "config.json").read_text()))
     assert cfg.block_size == 16 and cfg.trained_context_length == 8192
     assert cfg.num_target_layers == 30 and cfg.hidden_size == 576 and max(cfg.target_layer_ids) < 30
+
+
+@pytest.mark.parametrize("fields,causal,windows", [
+    ({}, [True, True, False], [8, 8, None]),  # sliding layers causal inside the block, full ones bidirectional
+    ({"is_causal": False}, [False, False, False], [8, 8, None]),
+    ({"is_causal": True}, [True, True, True], [8, 8, None]),
+    ({"dflash_config": {"causal": True}}, [True, True, True], [8, 8, None]),
+    ({"dflash_config": {"causal": False}, "is_causal": True}, [True, True, True], [8, 8, None]),  # is_causal first
+    ({"use_sliding_window": False}, [False, False, False], [None, None, None]),
+])
+def test_attention_semantics_follow_the_checkpoints_overrides(fields, causal, windows):
+    """What each drafter layer sees inside the block and over the context, from its config.json."""
+    base = drafter_config(tiny_target().cfg, layers=3, sliding=True, window=8).raw
+    raw = {**base, **{k: v for k, v in fields.items() if k != "dflash_config"}}
+    raw["dflash_config"] = {**base["dflash_config"], **fields.get("dflash_config", {})}
+    cfg = DrafterConfig.from_hf(raw)
+    assert [cfg.layer_is_causal(i) for i in range(3)] == causal
+    assert [cfg.layer_window(i) for i in range(3)] == windows
+    assert DrafterConfig.from_hf(cfg.to_hf()).layer_types == cfg.layer_types  # a saved drafter reads back alike

@@ -132,6 +132,25 @@ def test_mirror_is_the_ring_when_bytes_would_be_identical():
     assert other.mirror is not other.ring and other.nbytes < 2 * same.nbytes
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_default_mirror_is_the_targets_dtype_and_so_the_ring_itself(dtype):
+    """'auto' stores the mirror in the target's dtype, the cheapest lossless format: on one device it is the
+    ring, and the memory plan counts no mirror bytes."""
+    store = FeatureStore(16, 64, EngineConfig().feature_dtype, dtype, "cpu", "cpu")
+    assert store.mirror is store.ring and store.mirror.fmt.dtype == dtype
+
+
+def test_the_default_mirror_drafts_what_an_f32_mirror_drafts():
+    target = tiny_target(dtype=torch.bfloat16)
+    drafter = tiny_drafter(drafter_config(target.cfg, block_size=4), dtype=torch.bfloat16)
+    ids = torch.randint(5, 90, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    results = [Engine(target, tiny_tokenizer(), drafter, config=EngineConfig(spec="on", feature_dtype=fmt))
+               .complete(ids, SamplingParams(max_new_tokens=24)) for fmt in ("auto", "f32")]
+    assert results[0].token_ids == results[1].token_ids and results[0].spec.histogram == results[1].spec.histogram
+    plan = plan_memory(target, drafter, 64, EngineConfig())
+    assert plan.parts["drafter mirror"] == 0 and plan.feature_dtype == "bf16"
+
+
 def massive_features(n: int, width: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows like a residual stream's (a few channels ~150x the rest, near-constant over positions) and an
     fc weight whose columns go as 1 / RMS of their channel, as training leaves it (trainer.py)."""

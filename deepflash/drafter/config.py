@@ -51,6 +51,11 @@ class DrafterConfig:
         layer_types = tuple(cfg.get("layer_types") or ["full_attention"] * layers)
         if len(layer_types) != layers or set(layer_types) - {"full_attention", "sliding_attention"}:
             raise UserError(f"drafter layer_types {list(layer_types)} must list {layers} of full/sliding_attention")
+        if cfg.get("use_sliding_window") is False:  # as transformers reads it: every layer a full-attention one
+            layer_types = ("full_attention",) * layers
+        # the explicit causality overrides vLLM, SGLang and TensorRT-LLM honour: config is_causal, then
+        # dflash_config.causal; without either, sliding layers are causal inside the block (layer_is_causal)
+        is_causal = cfg.get("is_causal", dflash.get("causal"))
         softcap = dflash.get("final_logit_softcapping")
         return cls(
             **decoder_shape(cfg),
@@ -63,7 +68,7 @@ class DrafterConfig:
             vocab_size=int(cfg.get("vocab_size", 0)),
             max_position_embeddings=max_pos,
             trained_context_length=int(dflash.get("trained_context_length") or max_pos),
-            is_causal=cfg.get("is_causal"),
+            is_causal=None if is_causal is None else bool(is_causal),
             input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
             output_multiplier=float(dflash.get("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,

@@ -108,7 +108,7 @@ class FeatureStore:
         self.window = window
         target_fmt = _plain_format(target_dtype)
         self.ring = FeatureRing(window, width, target_fmt, target_device, slack, kernels)
-        mirror_fmt = row_format(feature_dtype)
+        mirror_fmt = mirror_format(feature_dtype, target_dtype)
         same = mirror_fmt == target_fmt and torch.device(target_device) == torch.device(drafter_device)
         scale = channel_scale if mirror_fmt.dtype is None else None
         self.mirror = self.ring if same else FeatureRing(window, width, mirror_fmt, drafter_device, slack, kernels,
@@ -201,6 +201,13 @@ def _decode(fmt: RowFormat, data: torch.Tensor, dtype: torch.dtype = torch.float
     if inverse is None:
         return fmt.decode(data, dtype)
     return (fmt.decode(data) * inverse).to(dtype)
+
+
+def mirror_format(name: str, target_dtype: torch.dtype) -> RowFormat:
+    """The mirror's storage format: 'auto' is the target's own dtype, the cheapest lossless one (the ring holds
+    the captured rows in it, so a wider mirror would hold the same values in more bytes; on the target's
+    device the mirror is then the ring itself)."""
+    return _plain_format(target_dtype) if name == "auto" else row_format(name)
 
 
 def _plain_format(dtype: torch.dtype) -> RowFormat:

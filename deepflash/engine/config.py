@@ -26,7 +26,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_ctx: int | str | None = None  # tokens, "auto" (largest that fits the device), None = the model's
-    feature_dtype: str = "f32"  # the drafter mirror's storage (kernels/row_formats.py FORMATS)
+    feature_dtype: str = "auto"  # the drafter mirror's storage: auto (the target's dtype) or a row_formats.FORMATS name
     feat_ring_cap: int | None = None  # the memory valve: lowers the feature window (drafter.features)
     trained_ctx: int | None = None  # the drafter's trained window; None = its config's
     spec: str = "auto"  # speculation policy (engine.controller): auto, on, off
@@ -47,8 +47,8 @@ class EngineConfig:
 
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise UserError(f"--dtype must be auto or one of {', '.join(sorted(set(DTYPES)))}, got {self.dtype!r}")
-        if self.feature_dtype not in FORMATS:
-            raise UserError(f"--feature-dtype must be one of {', '.join(FORMATS)}, got {self.feature_dtype!r}")
+        if self.feature_dtype != "auto" and self.feature_dtype not in FORMATS:
+            raise UserError(f"--feature-dtype must be auto or one of {', '.join(FORMATS)}, got {self.feature_dtype!r}")
         if self.spec not in SPEC_MODES:
             raise UserError(f"--spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
         if self.block_size is not None and self.block_size < 1:

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafter.features import drafter_window
-from ..kernels.row_formats import row_format
+from ..drafter.features import drafter_window, mirror_format
 from .config import EngineConfig
 from .steps import commits_aside
 
@@ -49,7 +48,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     """Bytes by component on `device` (the one the models will run on) of an engine of `config` with a
     context of max_ctx tokens; `target` / `drafter` may live on the meta device."""
     cfg = target.cfg
-    feature_dtype, block_size = config.feature_dtype, config.block_size
+    mirror, block_size = mirror_format(config.feature_dtype, target.dtype), config.block_size
     item = target.dtype.itemsize
     parts = {
         "target weights": target.weight_bytes(),
@@ -64,8 +63,8 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         window = drafter_window(max_ctx, config.trained_ctx or dcfg.trained_context_length, config.feat_ring_cap)
         width = len(dcfg.target_layer_ids) * cfg.hidden_size
         ring_row = width * item
-        mirror_row = row_format(feature_dtype).row_bytes(width)
-        same = shared_device and row_format(feature_dtype).dtype == target.dtype
+        mirror_row = mirror.row_bytes(width)
+        same = shared_device and mirror.dtype == target.dtype
         caps = [min(window, dcfg.layer_window(i) or window) + block for i in range(dcfg.num_layers)]
         kv_row = 2 * dcfg.num_kv_heads * dcfg.head_dim * drafter.dtype.itemsize
         parts["drafter weights"] = drafter.weight_bytes()
@@ -73,7 +72,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         slots = window + block  # a verify block's spare slots (features.FeatureRing)
         parts["target feature ring"] = slots * (ring_row + TAG_BYTES)
         # block formats also keep the per-channel storage scale and its inverse in bf16 (features.storage_scale)
-        scales = 2 * width * 2 if row_format(feature_dtype).dtype is None else 0
+        scales = 2 * width * 2 if mirror.dtype is None else 0
         parts["drafter mirror"] = 0 if same else slots * (mirror_row + TAG_BYTES) + scales
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
@@ -83,7 +82,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), config.cuda_graphs, aside)
     if config.prefix_cache:
         parts["prefix cache"] = prefix_cache_bytes(target, drafter, max_ctx, config, device)[0]
-    return MemoryPlan(max_ctx, window, feature_dtype, parts)
+    return MemoryPlan(max_ctx, window, mirror.name, parts)
 
 
 def prefix_cache_bytes(target, drafter, max_ctx: int, config: EngineConfig,

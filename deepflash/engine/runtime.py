@@ -126,7 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, f32 on CPU), float32, bfloat16, float16")
     g.add_argument("--max-ctx", type=_max_ctx, help="context length in tokens, or 'auto' (the largest that fits the free memory); "
                         "default: the model's max_position_embeddings")
-    g.add_argument("--feature-dtype", default="f32", choices=list(FORMATS), help="drafter feature storage")
+    g.add_argument("--feature-dtype", default="auto", choices=["auto", *FORMATS],
+                   help="the drafter mirror's feature storage (auto: the target's dtype, lossless)")
     g.add_argument("--feat-ring-cap", type=int,
                    help=f"lower the feature window (memory valve; default: {RING_CAP_ENV} if set, else none)")
     g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length (default: its config's)")
