@@ -62,8 +62,14 @@ def cmd_info(args: argparse.Namespace) -> None:
         "weight_bytes": target.weight_bytes(),
         "kv_bytes_per_token": target.kv_bytes_per_token(),
         "max_position_embeddings": tcfg.max_position_embeddings,
+        "positions": tcfg.positions,
         "dtype": str(target.dtype).removeprefix("torch."),
     }
+    if tcfg.positions > tcfg.max_position_embeddings:
+        rope = tcfg.rope
+        out["note"] = (f"positions past max_position_embeddings ({tcfg.max_position_embeddings}) come from YaRN: x"
+                       f"{rope.factor:g} over the {rope.original_max_position}-token window the rope was made for; "
+                       "how well the model reads that far is its own (check it on your task)")
     if drafter is not None:
         d = drafter.cfg
         out["drafter"] = {"layers": d.num_layers, "block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids),

@@ -61,7 +61,23 @@ def test_info_and_plan(capsys, model_dir, draft_dir):
     assert code == 0 and "target KV cache" in out and "max_ctx 64" in out
 
 
+def test_rope_scaling_extends_the_context_past_the_native_window(capsys, model_dir):
+    """--rope-scaling yarn:4 on a 512-position model: --max-ctx 2048 is allowed, info says where the positions
+    come from, and a 600-token prompt (past 512) generates."""
+    code, out, _ = run(capsys, "info", model_dir, "--rope-scaling", "yarn:4", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["positions"] == 2048 and info["max_position_embeddings"] == 512
+    assert "YaRN" in info["note"] and "512-token window" in info["note"]
+    prompt = " ".join(f"w{5 + i % 80}" for i in range(600))
+    code, out, _ = run(capsys, "generate", prompt, "--model", model_dir, "--raw", "--rope-scaling", "yarn:4",
+                       "--max-ctx", 2048, "--max-new-tokens", 4, "--json")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["prompt_tokens"] == 600
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--rope-scaling", "yarn:0.5"], "yarn:FACTOR with a factor above 1"),
+    (["--rope-scaling", "ntk:4"], "yarn:FACTOR"),
+    (["--max-ctx", "3000", "--rope-scaling", "yarn:4"], "more than the model supports: 2048 positions"),
     (["--model", "/no/such/model"], "no such model path"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "2"], "top_p"),

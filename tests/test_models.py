@@ -162,6 +162,26 @@ def test_rope_scaling_matches_transformers(scaling):
         assert (model(ids, torch.arange(100), model.new_cache(1, 128))[0] - hf(ids).logits).abs().max() <= TOL
 
 
+def test_rope_scaling_override_is_the_checkpoints_yarn_and_sets_the_positions():
+    """--rope-scaling yarn:4 on a 64-position model is what a checkpoint with YaRN x4 over 64 says: the same
+    frequencies and 256 positions; an engine asked for it on a target loaded without it refuses."""
+    from helpers import llama_config, tiny_target, tiny_tokenizer
+
+    from deepflash.engine.config import EngineConfig
+    from deepflash.engine.engine import Engine
+    from deepflash.errors import UserError
+
+    native = llama_config(max_position_embeddings=64)
+    checkpoint = llama_config(max_position_embeddings=64, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    scaled = native.with_rope_scaling("yarn:4")
+    assert (native.positions, scaled.positions, checkpoint.positions) == (64, 256, 256)
+    for a, b in zip(rope_frequencies(scaled.rope, 16), rope_frequencies(checkpoint.rope, 16)):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    with pytest.raises(UserError, match="applied when the target is loaded"):
+        Engine(tiny_target(), tiny_tokenizer(), config=EngineConfig(rope_scaling="yarn:4"))
+
+
 def test_saved_checkpoint_loads(tmp_path):
     """A checkpoint written by transformers' save_pretrained (per-expert names) loads through our loader."""
     from deepflash.loading.targets import load_target

@@ -33,6 +33,7 @@ class EngineConfig:
     reserve_mb: int = 1024  # device memory --max-ctx auto leaves free
     ring_kernels: str = "auto"  # feature-ring encode/decode: auto (Triton on CUDA), torch, triton
     target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels
+    rope_scaling: str | None = None  # 'yarn:FACTOR': positions past the model's native window (ModelConfig)
     prefill_chunk: int = 1024  # prompt tokens per prefill forward (a power of two)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
     prefix_cache: bool = False  # reuse KV, states and features across requests (engine/prefix_cache.py; serve: on)
@@ -86,7 +87,7 @@ def ring_cap_from_env() -> int | None:
 
 
 def context_length(max_ctx: int | str | None, model_positions: int) -> int:
-    """The engine's context in tokens: max_ctx, or the model's whole range (max_position_embeddings) when
+    """The engine's context in tokens: max_ctx, or the model's whole range (ModelConfig.positions) when
     None. Past that range the model's positions are undefined: an error, not a silent cap."""
     if max_ctx is None:
         return model_positions
@@ -94,5 +95,6 @@ def context_length(max_ctx: int | str | None, model_positions: int) -> int:
         raise ValueError("max_ctx 'auto' is resolved from the free memory first (engine.runtime.load_runtime)")
     if max_ctx > model_positions:
         raise UserError(f"--max-ctx {max_ctx} is more than the model supports: {model_positions} positions "
-                        "(max_position_embeddings); lower it, or leave it out to use them all")
+                        "(max_position_embeddings, or its YaRN range); lower it, leave it out to use them all, or "
+                        "stretch the rope with --rope-scaling yarn:FACTOR")
     return max_ctx

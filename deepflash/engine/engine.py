@@ -136,7 +136,10 @@ class Engine:
         target.use_kernels(config.target_kernels)  # checks the choice; set again per request (generate)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         cfg = target.cfg
-        self.max_ctx = context_length(config.max_ctx, cfg.max_position_embeddings)
+        if config.rope_scaling and cfg.rope != cfg.with_rope_scaling(config.rope_scaling).rope:
+            raise UserError(f"rope scaling {config.rope_scaling!r} is applied when the target is loaded "
+                            "(load_target's rope_scaling, as runtime.load_runtime passes it); this target has none")
+        self.max_ctx = context_length(config.max_ctx, cfg.positions)
         self.device = target.device
         self.cache = target.new_cache(1, self.max_ctx)
         self.stop_ids = tokenizer.stop_ids(cfg.eos_token_ids)
@@ -157,9 +160,9 @@ class Engine:
                                      kernels=drafter_kernels(config.target_kernels, drafter))
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
         # the tables cover the target's whole range, so that engines sharing a model share them
-        target.rotary.tabulate(cfg.max_position_embeddings, target.dtype)
+        target.rotary.tabulate(cfg.positions, target.dtype)
         if drafter is not None:
-            drafter.rotary.tabulate(cfg.max_position_embeddings, drafter.dtype)
+            drafter.rotary.tabulate(cfg.positions, drafter.dtype)
         # the mailbox's slots outnumber the steps in flight, so a step's slot is read before it is reused
         self.state = StepState(self.device, self.block_size, self.max_ctx, slots=PIPELINE_DEPTH + 1,
                                vocab=cfg.vocab_size)

@@ -53,7 +53,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     parts = {
         "target weights": target.weight_bytes(),
         "target KV cache": target.kv_bytes_per_token() * max_ctx + target.state_bytes(),
-        "rope tables": target.rotary.table_bytes(cfg.max_position_embeddings, target.dtype),
+        "rope tables": target.rotary.table_bytes(cfg.positions, target.dtype),
     }
     window = None
     width = 0
@@ -68,7 +68,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         caps = [min(window, dcfg.layer_window(i) or window) + block for i in range(dcfg.num_layers)]
         kv_row = 2 * dcfg.num_kv_heads * dcfg.head_dim * drafter.dtype.itemsize
         parts["drafter weights"] = drafter.weight_bytes()
-        parts["rope tables"] += drafter.rotary.table_bytes(cfg.max_position_embeddings, drafter.dtype)
+        parts["rope tables"] += drafter.rotary.table_bytes(cfg.positions, drafter.dtype)
         slots = window + block  # a verify block's spare slots (features.FeatureRing)
         parts["target feature ring"] = slots * (ring_row + TAG_BYTES)
         # block formats also keep the per-channel storage scale and its inverse in bf16 (features.storage_scale)
@@ -147,7 +147,7 @@ def free_device_bytes(device: torch.device) -> int:
 def auto_max_ctx(target, drafter, budget: int, config: EngineConfig, device: torch.device | str) -> int:
     """The largest context (up to the model's) whose plan fits in `budget` bytes; binary search, since
     every component grows with the context."""
-    lo, hi = 2, target.cfg.max_position_embeddings
+    lo, hi = 2, target.cfg.positions
     if plan_memory(target, drafter, lo, config, device).total > budget:
         return 0
     while lo < hi:

@@ -67,7 +67,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     cfg = cfg.validated()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    target, folder = load_target(cfg.model, device, dtype)
+    target, folder = load_target(cfg.model, device, dtype, cfg.rope_scaling)
     tokenizer = load_tokenizer(folder)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
     drafter = load_drafter(draft_path, device, dtype) if draft_path else None
@@ -86,7 +86,7 @@ def resolve_max_ctx(cfg: EngineConfig, target: TargetModel, drafter: DFlashDraft
     device has free (plus `loaded_bytes`, the pair's weights where they are loaded already) less the
     reserve; a number past the model's positions is an error (config.context_length)."""
     if cfg.max_ctx != "auto":
-        return context_length(cfg.max_ctx, target.cfg.max_position_embeddings)
+        return context_length(cfg.max_ctx, target.cfg.positions)
     budget = free_device_bytes(device) + loaded_bytes - cfg.reserve_mb * 2**20
     max_ctx = auto_max_ctx(target, drafter, budget, cfg, device)
     if max_ctx < 2:
@@ -104,6 +104,8 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tcfg = ModelConfig.from_hf(read_config(resolve_model(cfg.model)))
+    if cfg.rope_scaling:
+        tcfg = tcfg.with_rope_scaling(cfg.rope_scaling)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
     with torch.device("meta"):
         target = model_class(tcfg)(tcfg).to(dtype)
@@ -125,7 +127,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, f32 on CPU), float32, bfloat16, float16")
     g.add_argument("--max-ctx", type=_max_ctx, help="context length in tokens, or 'auto' (the largest that fits the free memory); "
-                        "default: the model's max_position_embeddings")
+                        "default: the model's positions (max_position_embeddings, or its YaRN range)")
+    g.add_argument("--rope-scaling", metavar="yarn:FACTOR",
+                   help="stretch the target's rope with YaRN to FACTOR x its native window, so that --max-ctx may go "
+                        "past max_position_embeddings (quality out there is the model's; default: the checkpoint's)")
     g.add_argument("--feature-dtype", default="auto", choices=["auto", *FORMATS],
                    help="the drafter mirror's feature storage (auto: the target's dtype, lossless)")
     g.add_argument("--feat-ring-cap", type=int,
@@ -158,5 +163,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, draft=args.draft, no_draft=args.no_draft, block_size=args.block_size,
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=cap, trained_ctx=args.trained_ctx,
-                        spec=args.spec, prefill_chunk=args.prefill_chunk, ring_kernels=args.ring_kernels,
+                        spec=args.spec, prefill_chunk=args.prefill_chunk, rope_scaling=args.rope_scaling,
+                        ring_kernels=args.ring_kernels,
                         target_kernels=args.target_kernels).validated()

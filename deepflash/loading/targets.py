@@ -34,10 +34,14 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
     return materialize(model, device).fuse_projections().eval().requires_grad_(False)
 
 
-def load_target(spec: str | None, device="cpu", dtype=torch.float32) -> tuple[TargetModel, Path]:
-    """Load a target from a folder, .gguf file, hub id or the embedded default (None)."""
+def load_target(spec: str | None, device="cpu", dtype=torch.float32,
+                rope_scaling: str | None = None) -> tuple[TargetModel, Path]:
+    """Load a target from a folder, .gguf file, hub id or the embedded default (None); rope_scaling:
+    ModelConfig.with_rope_scaling's 'yarn:FACTOR'."""
     folder = resolve_model(spec)
     cfg = ModelConfig.from_hf(read_config(folder))
+    if rope_scaling:
+        cfg = cfg.with_rope_scaling(rope_scaling)
     model_class(cfg)  # fail on an unsupported architecture before reading gigabytes
     state = load_tensors(safetensors_files(folder), device, dtype)
     return build_from_state(cfg, state, device, dtype), folder

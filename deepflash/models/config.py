@@ -6,7 +6,7 @@ architecture-specific extras. Unknown fields are tolerated everywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 
@@ -163,6 +163,29 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
             raw=cfg,
         )
+
+    @property
+    def positions(self) -> int:
+        """The positions the model is defined on: max_position_embeddings, or beyond where YaRN stretches the
+        rope of an original window by its factor (from the checkpoint, or with_rope_scaling)."""
+        rope = self.rope
+        if rope.kind == "yarn" and rope.original_max_position:
+            return max(self.max_position_embeddings, int(rope.original_max_position * rope.factor))
+        return self.max_position_embeddings
+
+    def with_rope_scaling(self, spec: str) -> ModelConfig:
+        """This config with YaRN over its native window ('yarn:FACTOR', --rope-scaling): positions up to
+        FACTOR x the window the checkpoint's rope was made for."""
+        kind, _, value = spec.partition(":")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = 0.0
+        if kind != "yarn" or factor <= 1:
+            raise UserError(f"--rope-scaling takes yarn:FACTOR with a factor above 1 (yarn:4 stretches the native "
+                            f"window four times), got {spec!r}")
+        original = self.rope.original_max_position or self.max_position_embeddings
+        return replace(self, rope=replace(self.rope, kind="yarn", factor=factor, original_max_position=original))
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
