@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .steps import commits_aside
 
 TAG_BYTES = 8  # int64 position tag per ring slot
+SNAPSHOTS = 8  # hybrid-target states the default prefix-cache budget makes room for (prefix_cache_bytes)
 
 
 @dataclass(frozen=True)
@@ -88,18 +89,18 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
 def prefix_cache_bytes(target, drafter, max_ctx: int, config: EngineConfig,
                        device: torch.device | str) -> tuple[int, int]:
     """The prefix cache's (device, host) budgets. Device, by default: one context's worth, i.e. the KV and
-    tap features of max_ctx positions and, for a hybrid target, its states at every prefill chunk along
-    them, so that a whole conversation stays cached while another runs. Host, by default: four times
-    that, at most a quarter of the host's memory, on a CUDA device (none on the CPU, whose device memory
-    is the host's)."""
+    tap features of max_ctx positions, so that a whole conversation stays cached while another runs, and for
+    a hybrid target room for SNAPSHOTS states (one per conversation end or prefill chunk it resumes at: a
+    Qwen3.5-27B snapshot is ~150 MB, one per chunk along the context would outweigh its KV). Host, by
+    default: four times that, at most a quarter of the host's memory, on a CUDA device (none on the CPU,
+    whose device memory is the host's)."""
     if config.prefix_cache_mb is not None:
         on_device = int(config.prefix_cache_mb * 2**20)
     else:
         per_token = target.kv_bytes_per_token()
         if drafter is not None:
             per_token += target.feature_bytes_per_token(len(drafter.cfg.target_layer_ids), target.dtype)
-        snapshots = -(-max_ctx // config.prefill_chunk) * (target.state_bytes() // 2)  # state_bytes: two copies
-        on_device = per_token * max_ctx + snapshots
+        on_device = per_token * max_ctx + SNAPSHOTS * target.state_bytes() // 2  # state_bytes counts two copies
     if config.prefix_cache_host_mb is not None:
         return on_device, int(config.prefix_cache_host_mb * 2**20)
     if torch.device(device).type != "cuda":
