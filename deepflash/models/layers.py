@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -314,46 +315,68 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(gate_up))
 
 
+@functools.cache
+def _grouped_mm_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 class Experts(nn.Module):
-    """Routed experts stored fused (transformers 5 layout): gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """Routed experts stored fused (transformers 5 layout): gate_up_proj [E, 2I, H], down_proj [E, H, I].
+
+    No path syncs with the host, whatever the routing: decode, verify and prefill steps run as captured
+    CUDA graphs. Nor does any copy the routed experts' weights per token."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; experts/weights [N, k]."""
-        n, k = experts.shape
-        if n * k <= self.gate_up_proj.shape[0]:
-            return self._gathered(x, experts, weights)
-        return self._grouped(x, experts, weights)
+        """x [N, H]; experts/weights [N, k]: each token's sum of its experts' outputs times their weights.
+        Decode and verify steps on the Triton kernels (kernels/moe.py), else F.grouped_mm where it
+        serves without a sync, else the dense form."""
+        if self.kernels is not None:
+            from ..kernels import moe  # imports Triton: only where it is used
 
-    def _gathered(self, x, experts, weights):
-        # Decode / verify: read only the chosen experts' weights, no host sync.
-        gate_up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[experts])
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[experts])
-        return (out * weights[..., None].to(out.dtype)).sum(1)
+            if moe.fits(x, self.gate_up_proj, self.down_proj):
+                return moe.routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+        if self._grouped_serves(x):
+            return self._grouped(x, experts, weights)
+        return self._dense(x, experts, weights)
+
+    def _grouped_serves(self, x: torch.Tensor) -> bool:
+        """Whether F.grouped_mm runs these experts without a host sync (torch 2.13): bfloat16 on compute
+        capability 9.x or 10.x (H100, H200, B200), where CUTLASS reads the group ends on the device. Elsewhere
+        it loops over GEMMs at ends copied to the host (its fallback, the CPU's too), refuses float64, and
+        dynamo traces it for bfloat16 only. Its tiles need rows of whole 16 bytes."""
+        hidden, inner = self.down_proj.shape[1:]
+        return (x.dtype == self.down_proj.dtype == torch.bfloat16 and hidden % 8 == 0 and inner % 8 == 0
+                and x.is_cuda and _grouped_mm_device(x.device))
 
     def _grouped(self, x, experts, weights):
-        # Prefill: one matmul per expert over the tokens routed to it.
-        out = torch.zeros_like(x)
-        flat = experts.flatten()
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token = order // experts.shape[1]
-        scale = weights.flatten()[order]
-        begin = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token[begin : begin + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, rows, y * scale[begin : begin + count, None].to(y.dtype))
-            begin += count
-        return out
+        """The (token, slot) pairs sorted by expert on the device, each expert's run of them multiplied by its
+        weights in one grouped GEMM: every routed expert's weights read once, no others."""
+        n, k = experts.shape
+        routed, order = experts.flatten().sort(stable=True)
+        groups = torch.arange(self.gate_up_proj.shape[0], device=x.device)
+        ends = torch.searchsorted(routed, groups, right=True, out_int32=True)  # where each expert's pairs end
+        gate, up = F.grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        by_expert = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        by_pair = torch.empty_like(by_expert).index_copy_(0, order, by_expert).view(n, k, -1)
+        return (by_pair * weights[..., None].to(by_pair.dtype)).sum(1)
+
+    def _dense(self, x, experts, weights):
+        """Every expert over every token, an unrouted expert weighted 0: shapes that never depend on the
+        routing, where F.grouped_mm would sync. It costs E/k times the routed work and reads every expert's
+        weights (16x for Qwen3-30B-A3B's top 8 of 128), with [N, E, 2I] and [E, N, H] intermediates (a
+        1024-token prefill piece at that size: 0.4 and 0.5 GB in bfloat16)."""
+        n, count = x.shape[0], self.gate_up_proj.shape[0]
+        gate, up = F.linear(x, self.gate_up_proj.flatten(0, 1)).view(n, count, -1).chunk(2, dim=-1)
+        routing = torch.zeros(n, count, dtype=x.dtype, device=x.device).scatter_(1, experts, weights.to(x.dtype))
+        # the weight applied before the down projection (linear): its [E, N, H] products then only add up
+        hidden = (F.silu(gate) * up * routing[..., None]).transpose(0, 1)
+        return torch.bmm(hidden, self.down_proj.transpose(1, 2)).sum(0)
 
 
 class Router(nn.Module):
