@@ -1,0 +1,58 @@
+"""deepflash bench families on the CPU: its checks pass for every family at the tiny size in float32 (our CPU
+forms are exact there), and a check that raises is a failed row, not the end of the run."""
+
+import json
+
+import pytest
+import torch
+
+from deepflash.bench import families
+from deepflash.cli import main
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_every_family_passes_its_checks_at_the_tiny_size(family):
+    row = families.check_family(family, "tiny", torch.device("cpu"), torch.float32, prompt_tokens=24, max_new=12,
+                                max_ctx=128)
+    logits, spec = row["logits"], row["spec"]
+    assert logits["ok"] and logits["max_abs"] <= families.MAX_ABS, logits
+    assert spec["ok"] and spec["first_difference"] is None and len(spec["spec_ids"]) == 12, spec
+    assert spec["spec_steps"] > 0  # the speculative engine verified blocks, not plain steps alone
+    assert spec["peak_bytes"] is None  # measured on CUDA only
+
+
+def test_first_difference_names_where_outputs_part():
+    assert families.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert families.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert families.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_a_failed_logits_check_is_shown_with_its_float32_yardstick():
+    logits = {"ok": False, "max_abs": 0.15, "cosine": 0.9987, "cosine_to_float32": 0.9994,
+              "transformers_cosine_to_float32": 0.9986}
+    row = {"family": "qwen3.5", "size": "tiny", "logits": logits, "spec": {"ok": True, "first_difference": None}}
+    assert families.notes(row) == ["qwen3.5 tiny logits: cosine 0.998700 to transformers; to transformers in "
+                                   "float32: ours 0.999400, its own 0.998600"]
+    assert families.table_row(row)[2:7] == ["NO", "1.50e-01", "0.998700", "yes", "-"]
+
+
+def test_a_check_that_raises_is_a_failed_row(monkeypatch, tmp_path, capsys):
+    """As a CUDA graph capture error would: the row records the message's first line, the other check and the
+    run go on, and the command still exits 0 with the failures counted."""
+    def capture_fails(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
+
+    monkeypatch.setattr(families, "Engine", capture_fails)
+    out = tmp_path / "families.json"
+    code = main(["bench", "families", "--device", "cpu", "--size", "tiny", "--families", "qwen3", "--prompt-tokens",
+                 "16", "--max-new-tokens", "4", "--max-ctx", "64", "--out", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    (row,) = record["rows"]
+    assert row["logits"]["ok"]
+    assert not row["spec"]["ok"]
+    assert row["spec"]["error"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert record["checks"] == 2 and record["failures"] == 1
+    printed = capsys.readouterr().out
+    assert "qwen3 tiny spec: RuntimeError: operation not permitted when stream is capturing" in printed
+    assert "1 of 2 checks failed" in printed
