@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.config import KernelConfig
 from .config import ModelConfig
 from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form
 
@@ -96,6 +97,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(shape.value_heads))
         self.norm = GatedRMSNorm(shape.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(shape.value_width, hidden, bias=False)
+        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
     def forward(self, x: torch.Tensor, cache, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H]; live [B, T] is False on left padding, whose zero inputs leave the state at zero."""
@@ -125,9 +127,12 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, q, k, v, g, beta, window, cache) -> torch.Tensor:
         """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache.
-        fla's kernels return no deltas, so a run the cache captures for rollback takes the torch forms."""
+        With the kernels on, decode and verify steps take kernels/delta_rule.py, so that a verify computes
+        each token as decode does, and returns the deltas the capture rollback needs. Otherwise fla's
+        kernels return no deltas, so a run the cache captures for rollback takes the torch forms."""
         start, tokens = cache.state[self.slot], q.shape[1]
-        if fla_available(q.device) and not cache.capturing:
+        kernel = self._step_kernel(start, tokens)
+        if kernel is None and fla_available(q.device) and not cache.capturing:
             q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
             out, state = fla_form(q, k, v, g, beta, start, recurrent=tokens <= FLA_RECURRENT_TOKENS)
             cache.update(self.slot, window, state)
@@ -135,6 +140,15 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
         q = l2_normalize(q) / q.shape[-1] ** 0.5
         k = l2_normalize(k)
-        out, state, deltas = (recurrent_form if tokens == 1 else chunked_form)(q, k, v, g, beta, start)
+        form = kernel or (recurrent_form if tokens == 1 else chunked_form)
+        out, state, deltas = form(q, k, v, g, beta, start)
         cache.update(self.slot, window, state, (k, g.cumsum(-1), deltas) if cache.capturing else None)
         return out.transpose(1, 2)
+
+    def _step_kernel(self, start: torch.Tensor, tokens: int):
+        """The Triton recurrence for this run where the kernels are on and it fits, else None."""
+        if self.kernels is None:
+            return None
+        from ..kernels import delta_rule  # imports Triton: only where it is used
+
+        return delta_rule.recurrent if delta_rule.fits(start, tokens) else None
