@@ -70,10 +70,10 @@ class PrefixReuse:
         prompt's last piece its tail; a hybrid target's states where a block ends at `done`."""
         self.live = tokens[:done]
         ends_block = final or done % self.size == 0
-        state = self.cache.save_state() if self.cache.has_state and ends_block else None
-        self._save_blocks(tokens, done // self.size, done, state)
+        states = self.cache.has_state and ends_block
+        self._save_blocks(tokens, done // self.size, done, states)
         if final and done % self.size:
-            self._save_tail(tokens, done, done, state)
+            self._save_tail(tokens, done, done, states)
 
     def save_output(self, tokens: list[int], processed: int, written: int) -> None:
         """After a request: the blocks its output completed, and the tail. `processed`: positions whose KV is
@@ -85,21 +85,23 @@ class PrefixReuse:
         if self.cache.has_state:
             return
         self._keys = chain_keys(tokens[:end], self.size)
-        self._save_blocks(tokens, end // self.size, written, None)
+        self._save_blocks(tokens, end // self.size, written, False)
         if end % self.size:
-            self._save_tail(tokens, end, written, None)
+            self._save_tail(tokens, end, written, False)
 
-    def _save_blocks(self, tokens: list[int], count: int, newest: int, state) -> None:
-        """Full blocks [_saved, count); `state` goes to the block ending at `newest`, if one does."""
+    def _save_blocks(self, tokens: list[int], count: int, newest: int, states: bool) -> None:
+        """Full blocks [_saved, count); with `states`, the block ending at `newest` (if one does) takes the
+        cache's states, copied only for a block not held yet."""
         for i in range(self._saved, count):
             lo, hi = i * self.size, (i + 1) * self.size
             parent = self._keys[i - 1] if i else ROOT
             if not self.index.has(self._keys[i]):
+                state = self.cache.save_state() if states and hi == newest else None
                 self.index.insert(Block(self._keys[i], parent, lo, tuple(tokens[lo:hi]), self.cache.save_span(lo, hi),
-                                        self._rows(lo, hi, newest), state if hi == newest else None))
+                                        self._rows(lo, hi, newest), state))
         self._saved = max(self._saved, count)
 
-    def _save_tail(self, tokens: list[int], end: int, newest: int, state) -> None:
+    def _save_tail(self, tokens: list[int], end: int, newest: int, states: bool) -> None:
         """The partial block [end - end % size, end), a leaf."""
         lo = end - end % self.size
         parent = self._keys[lo // self.size - 1] if lo else ROOT
@@ -107,7 +109,7 @@ class PrefixReuse:
         key = block_key(parent, tail)
         if not self.index.has(key):
             self.index.insert(Block(key, parent, lo, tail, self.cache.save_span(lo, end), self._rows(lo, end, newest),
-                                    state))
+                                    self.cache.save_state() if states else None))
 
     def _rows(self, lo: int, hi: int, newest: int) -> torch.Tensor | None:
         """The target ring's rows of [lo, hi), where it still holds them: newer positions, up to `newest`,
