@@ -205,4 +205,5 @@ def test_agent_turns_compare_the_cached_engine_with_a_cold_one():
     assert all(r["same_text"] for r in rows)
     for r in rows:
         computed, cold_computed = r["cached"]["computed_tokens"], r["cold"]["computed_tokens"]
-        assert cold_computed == r["prompt_tokens"] and computed <= (r["prompt_tokens"] if r["turn"] == 0 else 9 + 6)
+        # after the first turn: the new tokens, the reply and at most a chunk (16) of the previous prompt
+        assert cold_computed == r["prompt_tokens"] and computed <= (r["prompt_tokens"] if r["turn"] == 0 else 9 + 6 + 15)

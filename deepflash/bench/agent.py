@@ -141,6 +141,7 @@ def embedded_part(args, record: dict) -> None:
         return ChatConversation(rt.tokenizer, seed, args.context_chars, args.tool_chars)
 
     conversation_rows(rt.engine, cold, [talk(99)], 2, params)  # captures the graphs
+    rt.engine.prefix.index.clear()
     parts = {"embedded, one conversation": [talk(0)], "embedded, three interleaved": [talk(s) for s in (1, 2, 3)]}
     for title, talks in parts.items():
         record["results"][title] = rows = conversation_rows(rt.engine, cold, talks, args.turns, params)
@@ -176,7 +177,8 @@ def qwen3_8b_part(args, record: dict) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     grow = (args.long_ctx - args.long_start - 2048) // args.turns - args.max_new_tokens
     vocab = target.cfg.vocab_size
-    conversation_rows(cached, cold, [TokenConversation(vocab, 99, args.long_start, grow)], 2, params)
+    conversation_rows(cached, cold, [TokenConversation(vocab, 99, args.long_start, grow)], 2, params)  # graphs
+    cached.prefix.index.clear()
     title = "Qwen3-8B-shaped random target"
     rows = conversation_rows(cached, cold, [TokenConversation(vocab, 0, args.long_start, grow)], args.turns, params)
     record["results"][title] = rows

@@ -173,7 +173,7 @@ class Engine:
         if config.prefix_cache:
             on_device, on_host = prefix_cache_bytes(target, drafter, self.max_ctx, config, self.device)
             index = PrefixCache(config.prefix_block, on_device, on_host, self.cache.has_state,
-                                self.window if drafter is not None else None)
+                                self.window if drafter is not None else None, grid=config.prefill_chunk)
             self.prefix = PrefixReuse(index, self.cache, features, self.steps.catch_up, config.prefill_chunk)
 
     # --- public API ---------------------------------------------------------------------------------
@@ -219,8 +219,6 @@ class Engine:
         # steps still in flight run past the output's end: their results are discarded and the result does
         # not wait for them (the next request's first device work queues behind them: its prefill time)
         decode_s = time.perf_counter() - t1
-        if self.prefix is not None:
-            self.prefix.save_output(seq.tokens, seq.processed, self._processed_bound(seq, inflight))
         if spec is not None:
             phases = timer.collect(collected)
             spec.spec_s = phases.get("spec", 0.0)
@@ -290,7 +288,7 @@ class Engine:
             else:
                 step()
             if self.prefix is not None:
-                self.prefix.save_prefill(seq.tokens, lo + size, final=lo + size == n)
+                self.prefix.save_prefill(seq.tokens, lo + size)
             if cancelled is not None and self.device.type == "cuda":
                 queued.append(torch.cuda.Event())
                 queued[-1].record()

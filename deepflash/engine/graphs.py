@@ -108,14 +108,11 @@ def prefill_pieces(n: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
     two), so that few graph variants serve every prompt length: whole chunks, then the rest in at most
     two pieces, the last ending at n. A rest that is not a power of two is covered by the smallest
     power of two above it, reaching back over positions already done: running a position again
-    rewrites its KV and features with the same values (targets with `idempotent_positions`).
-    From a `start` inside the prompt (a prefix-cache hit), aligned pieces first climb to the chunk grid,
-    so that the rest falls where a prefill from 0 puts it."""
-    pieces, lo = [], start
-    while lo % chunk and lo + (lo & -lo) <= n:  # lo & -lo: the largest power of two dividing lo
-        pieces.append((lo, lo & -lo))
-        lo += lo & -lo
-    pieces += [(at, chunk) for at in range(lo, n - chunk + 1, chunk)]
+    rewrites its KV and features with the same values up to rounding (targets with `idempotent_positions`).
+    `start` (a prefix-cache restore point) is on the chunk grid: from there the pieces are those a prefill
+    from 0 runs, so that each position is computed in the same shapes."""
+    assert start % chunk == 0, (start, chunk)
+    pieces = [(at, chunk) for at in range(start, n - chunk + 1, chunk)]
     done = pieces[-1][0] + pieces[-1][1] if pieces else start
     if done == 0 and n:  # a short prompt: its largest power of two first
         done = 1 << (n.bit_length() - 1)

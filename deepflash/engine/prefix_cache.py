@@ -1,10 +1,11 @@
 """The prefix cache's index: blocks of saved per-position state keyed by the token prefix, in two tiers.
 
-A block holds what the engine saved for positions [start, start + len(tokens)): the target's KV (and for
+A block holds what the engine saved for positions [start, start + block_tokens): the target's KV (and for
 hybrid targets, where it was taken, the recurrent states after its last token), and the tap features the
 drafter's rings held. Its key hashes its parent's key and its own tokens, so a key names the whole prefix up to
-the block's end (the block-hash scheme of vLLM; DESIGN.md says why not a radix tree). Full blocks of
-`block_tokens` tokens chain; a shorter block (a prompt's or an output's tail) is a leaf.
+the block's end (the block-hash scheme of vLLM; DESIGN.md says why not a radix tree). A restore may end only at
+a block end on the `grid` (the prefill chunk: prefix_reuse.py says why), and for a hybrid target only where the
+block carries states.
 
 Memory is bounded by two budgets: blocks past the device budget move to host memory, blocks past the host
 budget are dropped, least recently used first, leaves before the blocks they hang from (a parent outlives its
@@ -70,55 +71,39 @@ class CacheStats:
 
 
 class PrefixCache:
-    """needs_state: a hybrid target, which can resume only where a block carries its recurrent states.
-    window: the drafter's feature window (None without a drafter): a restore at m needs the features of
-    [m - window, m)."""
+    """grid: restores end at multiples of it; needs_state: a hybrid target, which can resume only where a block
+    carries its recurrent states; window: the drafter's feature window (None without a drafter): a restore at m
+    needs the features of [m - window, m)."""
 
     def __init__(self, block_tokens: int, device_bytes: int, host_bytes: int, needs_state: bool,
-                 window: int | None):
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self.block_tokens = block_tokens
+                 window: int | None, grid: int = 1):
+        if block_tokens < 1 or grid < 1:
+            raise ValueError(f"block_tokens and grid must be >= 1, got {block_tokens} and {grid}")
+        self.block_tokens, self.grid = block_tokens, grid
         self.device_budget, self.host_budget = device_bytes, host_bytes
         self.needs_state, self.window = needs_state, window
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
-        self.roots: set[bytes] = set()  # the keys of blocks that start at position 0
         self.device_bytes = self.host_bytes = 0
         self.stats = CacheStats()
 
     # --- lookup -------------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], limit: int) -> Hit:
         """The longest restorable prefix of `tokens`, at most `limit` positions (the engine keeps one
-        prompt token to compute). Touches the blocks it returns."""
-        candidates = self._candidates(tokens, limit)
-        for length, blocks in sorted(candidates, key=lambda c: -c[0]):
-            if self._features_held(blocks, length):
-                self._touch(blocks)
-                return Hit(length, blocks)
-        return Hit(0, [])
-
-    def _candidates(self, tokens: list[int], limit: int) -> list[tuple[int, list[Block]]]:
-        """(length, blocks) restore points along the chain of full blocks matching `tokens`: for a hybrid
-        target the ends of blocks with states, else any position the matched blocks cover."""
-        size, path, parent, out = self.block_tokens, [], ROOT, [(0, [])]
-        while True:
-            start = len(path) * size
-            for child in self._children(parent):
-                matched = common_prefix(child.tokens, tokens[start : start + len(child.tokens)])
-                if self.needs_state:
-                    if child.state is not None and matched == len(child.tokens) and child.end <= limit:
-                        out.append((child.end, [*path, child]))
-                elif matched:
-                    out.append((min(start + matched, limit), [*path, child]))
-            key = block_key(parent, tokens[start : start + size]) if start + size <= len(tokens) else None
-            if key not in self.blocks or start + size > limit:
-                return out
-            path.append(self.blocks[key])
-            parent = key
-
-    def _children(self, parent: bytes) -> list[Block]:
-        keys = self.blocks[parent].children if parent != ROOT else self.roots
-        return [self.blocks[k] for k in keys]
+        prompt token to compute): the deepest block end along the chain of held blocks matching `tokens`
+        that lies on the grid, carries states where needed and has its feature window held. Touches the
+        blocks it returns."""
+        size, path, parent, best = self.block_tokens, [], ROOT, Hit(0, [])
+        for start in range(0, limit - size + 1, size):
+            block = self.blocks.get(block_key(parent, tokens[start : start + size]))
+            if block is None:
+                break
+            path.append(block)
+            parent = block.key
+            if block.end % self.grid == 0 and (block.state is not None or not self.needs_state) \
+                    and self._features_held(path, block.end):
+                best = Hit(block.end, list(path))
+        self._touch(best.blocks)
+        return best
 
     def _features_held(self, blocks: list[Block], length: int) -> bool:
         if self.window is None:
@@ -137,7 +122,8 @@ class PrefixCache:
         if block.parent != ROOT and block.parent not in self.blocks:
             return  # its parent was evicted meanwhile: the block could never be reached
         self.blocks[block.key] = block
-        self._siblings(block).add(block.key)
+        if block.parent != ROOT:
+            self.blocks[block.parent].children.add(block.key)
         self.device_bytes += block.nbytes
         self._touch([self.blocks[k] for k in self._ancestry(block.key)])
         self._keep_budgets()
@@ -154,10 +140,13 @@ class PrefixCache:
         for block in sorted(blocks, key=lambda b: -b.start):
             self.blocks.move_to_end(block.key)
 
-    # --- budgets ------------------------------------------------------------------------------------
-    def _siblings(self, block: Block) -> set[bytes]:
-        return self.roots if block.parent == ROOT else self.blocks[block.parent].children
+    def clear(self) -> None:
+        """Forget every block and the counts (a benchmark's warm-up must not fill the cache it measures)."""
+        self.blocks.clear()
+        self.device_bytes = self.host_bytes = 0
+        self.stats = CacheStats()
 
+    # --- budgets ------------------------------------------------------------------------------------
     def _keep_budgets(self) -> None:
         while self.device_bytes > self.device_budget:
             block = self._oldest(on_host=False)
@@ -193,7 +182,8 @@ class PrefixCache:
         """Drop a block and what hangs from it (unreachable without it)."""
         for child in list(block.children):
             self._drop(self.blocks[child])
-        self._siblings(block).discard(block.key)
+        if block.parent != ROOT:
+            self.blocks[block.parent].children.discard(block.key)
         del self.blocks[block.key]
         if block.on_host:
             self.host_bytes -= block.nbytes
@@ -201,12 +191,3 @@ class PrefixCache:
             self.device_bytes -= block.nbytes
         self.stats.evictions += 1
 
-
-def common_prefix(a, b) -> int:
-    """How many leading items of a and b are equal."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
