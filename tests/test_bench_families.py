@@ -28,12 +28,33 @@ def test_first_difference_names_where_outputs_part():
 
 
 def test_a_failed_logits_check_is_shown_with_its_float32_yardstick():
-    logits = {"ok": False, "max_abs": 0.15, "cosine": 0.9987, "cosine_to_float32": 0.9994,
+    logits = {"ok": False, "max_abs": 0.5, "cosine": 0.9922, "cosine_to_float32": 0.9788,
+              "transformers_cosine_to_float32": 0.9927}
+    row = {"family": "qwen3.5-moe", "size": "tiny", "logits": logits, "spec": {"ok": True, "first_difference": None}}
+    assert families.notes(row) == ["qwen3.5-moe tiny logits: cosine 0.992200 to transformers; to transformers in "
+                                   "float32: ours 0.978800, its own 0.992700"]
+    assert families.table_row(row)[2:7] == ["NO", "5.00e-01", "0.992200", "yes", "-"]
+
+
+def test_16_bit_logits_pass_near_transformers_or_rounding_about_as_well_as_it():
+    def result(similar, ours, its_own, max_abs=0.1):
+        return {"max_abs": max_abs, "cosine": similar, "cosine_to_float32": ours,
+                "transformers_cosine_to_float32": its_own}
+
+    assert families.logits_pass(result(0.9995, 0.99, 0.999), torch.bfloat16)  # near transformers
+    assert families.logits_pass(result(0.9987, 0.9994, 0.9986), torch.bfloat16)  # closer to float32 than it
+    assert not families.logits_pass(result(0.9922, 0.9788, 0.9927), torch.float16)  # further from float32
+    assert families.logits_pass(result(0.9971, 0.9956, 0.9966), torch.bfloat16)  # 1.3x its distance: chance flips
+    assert not families.logits_pass(result(1.0, 1.0, 1.0, max_abs=1e-3), torch.float32)  # float32: max abs only
+
+
+def test_a_logits_check_passed_as_rounding_no_worse_is_shown_with_its_yardstick():
+    logits = {"ok": True, "max_abs": 0.15, "cosine": 0.9987, "cosine_to_float32": 0.9995,
               "transformers_cosine_to_float32": 0.9986}
     row = {"family": "qwen3.5", "size": "tiny", "logits": logits, "spec": {"ok": True, "first_difference": None}}
     assert families.notes(row) == ["qwen3.5 tiny logits: cosine 0.998700 to transformers; to transformers in "
-                                   "float32: ours 0.999400, its own 0.998600"]
-    assert families.table_row(row)[2:7] == ["NO", "1.50e-01", "0.998700", "yes", "-"]
+                                   "float32: ours 0.999500, its own 0.998600"]
+    assert families.table_row(row)[2] == "yes"
 
 
 def test_a_check_that_raises_is_a_failed_row(monkeypatch, tmp_path, capsys):

@@ -5,8 +5,14 @@ Gated DeltaNet and gated attention). Sizes: `tiny` (4 layers, small widths, 1024
 (the real hidden, head and expert widths and vocabulary of Qwen3-8B, Qwen3-30B-A3B, Qwen3.5-27B and
 Qwen3.6-35B-A3B with 4 layers: each fits one 80 GB GPU). Per family and size:
 - logits (tiny only): a transformers model of the family with random weights, ours loaded from its state
-  dict; the last position's logits on a random prompt. Pass: cosine >= 0.999 in 16-bit dtypes, max abs
-  difference <= 1e-4 in float32. Under a failed one, both against transformers in float32: the yardstick.
+  dict; the logits at every position of a random prompt. Pass in float32: max abs difference <= 1e-4. Pass
+  in 16-bit dtypes: mean cosine over the positions >= 0.999 to transformers in that dtype, or our distance to
+  transformers in float32 (1 - mean cosine) at most 1.5x that of transformers' own run in that dtype: we round
+  about as well as the reference. Two 16-bit runs that round at other points part where a hybrid's recurrence
+  carries a token's rounding on, or where an MoE token's top-k sits near a tie and flips in one run (a flipped
+  token's cosine can fall to 0.5), so their cosine alone can miss the mark while each is as close to float32 as
+  the other; flips are chance events, which the 1.5x allows for (a wrong layer costs far more). A logits row
+  that the cosine alone does not pass is shown with both cosines to float32.
 - spec == plain: greedy output of a speculative engine (a random DFlash drafter shaped for the target, spec on,
   block 16) against a plain engine's on the same random prompt, token for token; the random target's output
   follows its context, so that a wrong cache or state shows.
@@ -48,6 +54,7 @@ HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 BLOCK = 16
 COSINE_MIN = 0.999  # 16-bit dtypes: ours and transformers round at other points, so digits differ, not direction
 MAX_ABS = 1e-4  # float32: the same sums, in other orders
+ROUNDING_SLACK = 1.5  # 16 bits: our distance to float32 against the reference's own (routing flips are chance)
 TRANSFORMERS_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                         "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
@@ -129,30 +136,39 @@ def transformers_model(shape: dict, seed: int = 0):
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(F.cosine_similarity(a.float(), b.float(), dim=0))
+    """The mean over positions (rows) of the cosine of their logits."""
+    return float(F.cosine_similarity(a.float(), b.float(), dim=-1).mean())
 
 
 @torch.no_grad()
 def logits_parity(shape: dict, device: torch.device, dtype: torch.dtype, prompt_tokens: int) -> dict:
-    """Last-position logits of ours (on the engine's default target kernels), loaded from a random
+    """Every position's logits of ours (on the engine's default target kernels), loaded from a random
     transformers model's state dict, against that model's, both in `dtype` on `device`. Both are also
     compared with transformers in float32: in 16 bits, how far its own run strays from float32 is the
-    yardstick for ours (a hybrid's recurrence, or an MoE token routed near a tie, can stray past the pass
-    mark on either side)."""
+    yardstick for ours (logits_pass)."""
     hf = transformers_model(shape).to(device)
     tokens = torch.tensor([random_prompt(shape["vocab_size"], prompt_tokens)], device=device)
-    float32 = hf(tokens).logits[0, -1]
+    float32 = hf(tokens).logits[0]
     hf = hf.to(dtype)
-    want = hf(tokens).logits[0, -1].float()
+    want = hf(tokens).logits[0].float()
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     ours = build_from_state(cfg, dict(hf.state_dict()), device, dtype).use_kernels("auto")
     del hf
     positions = torch.arange(prompt_tokens, device=device)
-    got = ours(tokens, positions, ours.new_cache(1, prompt_tokens), logits="last")[0][0, -1].float()
-    max_abs, similar = float((got - want).abs().max()), cosine(got, want)
-    return {"ok": similar >= COSINE_MIN if dtype.itemsize < 4 else max_abs <= MAX_ABS, "max_abs": max_abs,
-            "cosine": similar, "cosine_to_float32": cosine(got, float32),
-            "transformers_cosine_to_float32": cosine(want, float32)}
+    got = ours(tokens, positions, ours.new_cache(1, prompt_tokens))[0][0].float()
+    result = {"max_abs": float((got - want).abs().max()), "cosine": cosine(got, want),
+              "cosine_to_float32": cosine(got, float32), "transformers_cosine_to_float32": cosine(want, float32)}
+    return {"ok": logits_pass(result, dtype), **result}
+
+
+def logits_pass(result: dict, dtype: torch.dtype) -> bool:
+    """float32: the same sums in other orders, so within MAX_ABS. 16 bits: cosine to transformers in that
+    dtype >= COSINE_MIN, or our distance to transformers in float32 within ROUNDING_SLACK of its own 16-bit
+    run's (see the module doc)."""
+    if dtype.itemsize >= 4:
+        return result["max_abs"] <= MAX_ABS
+    ours, theirs = 1 - result["cosine_to_float32"], 1 - result["transformers_cosine_to_float32"]
+    return result["cosine"] >= COSINE_MIN or ours <= ROUNDING_SLACK * theirs
 
 
 def random_drafter_for(target, seed: int = 1) -> DFlashDrafter:
@@ -315,11 +331,12 @@ def run(args) -> dict:
 
 
 def notes(row: dict) -> list[str]:
-    """A row's errors, and a failed logits check's float32 yardstick, as lines of their own (a narrow console
-    cuts the table's cells)."""
+    """A row's errors, and the float32 yardstick of a logits check that the cosine alone does not pass (failed,
+    or passed as rounding no worse than transformers), as lines of their own (a narrow console cuts the
+    table's cells)."""
     name, logits = f"{row['family']} {row['size']}", row["logits"] or {}
     lines = [f"{name} {check}: {row[check]['error']}" for check in ("logits", "spec") if "error" in (row[check] or {})]
-    if "cosine" in logits and not logits["ok"]:
+    if "cosine" in logits and (not logits["ok"] or logits["cosine"] < COSINE_MIN):
         lines.append(f"{name} logits: cosine {logits['cosine']:.6f} to transformers; to transformers in float32: ours "
                      f"{logits['cosine_to_float32']:.6f}, its own {logits['transformers_cosine_to_float32']:.6f}")
     return lines
