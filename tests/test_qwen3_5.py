@@ -95,10 +95,22 @@ def test_forms_agree():
     chunked = chunked_form(q, k, v, g, beta, start, chunk=8)
     for a, c in zip(rec, chunked):
         assert (a - c).abs().max() < 1e-12
-    assert torch.equal(state_after_prefix(start, k, g.cumsum(-1), rec[2], 0), start)
+    assert torch.equal(state_after_prefix(k, g, rec[2], start, 0), start)
     for n in range(1, t + 1):
         fed = recurrent_form(q[:, :, :n], k[:, :, :n], v[:, :, :n], g[:, :, :n], beta[:, :, :n], start)[1]
-        assert (state_after_prefix(start, k, g.cumsum(-1), rec[2], n) - fed).abs().max() < 1e-12
+        assert (state_after_prefix(k, g, rec[2], start, n) - fed).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_kernels_put_only_the_deltanet_layers_on_triton(monkeypatch, cuda):
+    """Under "auto" on CUDA the DeltaNet layers take the Triton recurrence (a verify and its rollback compute
+    each token's state as decode does) while the MLPs and experts keep torch's forms; on the CPU all do."""
+    from deepflash.kernels import triton_support
+
+    monkeypatch.setattr(triton_support, "usable", lambda device: cuda)  # as on a CUDA device with Triton
+    target = hybrid_target("moe").use_kernels("auto")
+    chosen = {(type(m).__name__, m.kernels is not None) for m in target.modules() if hasattr(m, "kernels")}
+    assert chosen == {("GatedDeltaNet", cuda), ("MLP", False), ("Experts", False)}
 
 
 # --- exact rollback --------------------------------------------------------------------------------------

@@ -1,25 +1,31 @@
-"""The gated delta rule of a decode or verify step (1-16 tokens) in Triton, with the deltas a rollback needs.
+"""The gated delta rule of a decode or verify step (1-16 tokens) in Triton, and the replay that rolls one back.
 
 The recurrence of models/delta_rule.py, token by token in one launch:
 
     S_t = exp(g_t) S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),   out_t = S_t^T q_t
 
 A verify step must compute each token exactly as the decode step that would have computed it, or greedy
-speculative output leaves plain decoding's in bf16. fla's fused recurrent kernel is token by token too,
-but returns no deltas, which the capture rollback (hybrid_cache.py) needs; torch's chunked form returns
-them, but rounds apart from any decode step. Here a program owns one (batch, head) and a block of
-BLOCK_V state columns: it holds that [Dk, BLOCK_V] slice of the state in registers, in float32, and
-walks the tokens in order. A token's arithmetic is the same code on the state the program holds, with a
-reduction over Dk in an order fixed by the tile: it depends neither on the number of tokens nor on the
-other tokens' values beyond the state they left. The number of tokens and the strides that follow it
-(the batch strides) are never specialised, so 1 and 16 tokens run one binary, and FMA contraction is
-off (attention.py: it may differ between binaries); a decode step and a verify step computing the
-same token from the same state then give the same bits.
+speculative output leaves plain decoding's in bf16; so must the rollback after it (hybrid_cache.py), which
+leaves the state as if only the first n tokens had been fed. Torch's chunked form and the closed-form
+prefix state (delta_rule.state_after_prefix) round apart from any decode step, and fla's fused recurrent
+kernel runs another binary. Here a program owns one (batch, head) and a block of BLOCK_V state columns:
+it holds that [Dk, BLOCK_V] slice of the state in registers, in float32, and walks the tokens in order. A
+token's arithmetic is the same code on the state the program holds, with a reduction over Dk in an order
+fixed by the tile: it depends neither on the number of tokens nor on the other tokens' values beyond the
+state they left. The number of tokens, the strides that follow it (the batch strides) and the replay's
+arguments are never specialised, so 1 and 16 tokens and a replay run one binary, and FMA contraction is
+off (attention.py: it may differ between binaries); a decode step, a verify step and a replay computing
+the same token from the same state then give the same bits.
 
-Outputs, deltas and the final state are float32. The state columns of a head split into programs, not
-its Dk rows: each program's reductions stay whole and in registers. The tile is fla's, not yet measured
-here on a GPU. Chosen with the target's other Triton kernels (TargetModel.use_kernels);
-`TRITON_INTERPRET=1` runs it on the CPU for the tests (models/delta_rule.py recurrent_form is the reference).
+The replay (`state_after`) is the same launch over a recorded run's inputs from its start state, of which
+only the first n tokens are applied: n is read on the device, so a rollback needs no host sync and one
+CUDA graph serves every n.
+
+Outputs and the final state are float32. The state columns of a head split into programs, not its Dk
+rows: each program's reductions stay whole and in registers. The tile is fla's, not yet measured here on
+a GPU. Chosen for the DeltaNet layers with the target's kernels (TargetModel.use_kernels; Qwen3.5 takes
+it under "auto" on CUDA); `TRITON_INTERPRET=1` runs it on the CPU for the tests (models/delta_rule.py
+recurrent_form is the reference).
 """
 
 from __future__ import annotations
@@ -45,24 +51,38 @@ def fits(state: torch.Tensor, tokens: int) -> bool:
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              state: torch.Tensor, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """recurrent_form's computation: q, k [B, H, T, Dk] (L2-normalised, q scaled by Dk^-0.5), v [B, H, T, Dv],
     g, beta [B, H, T], state [B, H, Dk, Dv], all float32, any strides. Returns out [B, H, T, Dv] (a view of
-    [B, T, H, Dv], the layout the layer reads back), the final state and the deltas [B, H, T, Dv]."""
+    [B, T, H, Dv], the layout the layer reads back) and the final state. count, a 0-dim int64 tensor on the
+    state's device: apply only the first `count` tokens (state_after's replay); None: all of them."""
     b, heads, tokens, key_dim = k.shape
     value_dim = v.shape[-1]
     assert fits(state, tokens) and q.dtype == k.dtype == v.dtype == g.dtype == beta.dtype == state.dtype, (
         tokens, state.dtype, state.shape, q.dtype)
     q, k, v = (_rows(x) for x in (q, k, v))
     out = torch.empty((b, tokens, heads, value_dim), dtype=torch.float32, device=state.device)
-    deltas = torch.empty((b, heads, tokens, value_dim), dtype=torch.float32, device=state.device)
     final = torch.empty_like(state)
+    counted = count is not None
+    if not counted:  # a placeholder the kernel does not read: a pointer of the same type keeps one binary
+        count = torch.empty((), dtype=torch.int64, device=state.device)
     block_v = min(BLOCK_V, triton.next_power_of_2(value_dim))
     _recurrent[(b * heads, triton.cdiv(value_dim, block_v))](
-        q, k, v, g, beta, state, out, deltas, final, tokens, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *g.stride(), *beta.stride(), HEADS=heads, DK=key_dim, DV=value_dim,
+        q, k, v, g, beta, state, out, final, tokens, count, int(counted), *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *g.stride(), *beta.stride(), HEADS=heads, DK=key_dim, DV=value_dim,
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=NUM_WARPS, enable_fp_fusion=False)
-    return out.transpose(1, 2), final, deltas
+    return out.transpose(1, 2), final
+
+
+def state_after(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                n: int | torch.Tensor) -> torch.Tensor:
+    """The state after the first n tokens of a run that `recurrent` computed from `state` with these k, v, g,
+    beta (hybrid_cache.py's rollback): the same launch over the run's tokens, applying the first n, so its
+    bits are those of n decode steps. n: an int, or a 0-dim int64 tensor on the state's device, read there
+    (no host sync; one CUDA graph serves every n). Outputs are not wanted, so k stands in for q: GatedDeltaNet
+    lays the two out alike, so the binary (specialised on their strides) is the run's own."""
+    count = torch.as_tensor(n, dtype=torch.int64, device=state.device)
+    return recurrent(k, k, v, g, beta, state, count)[1]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +92,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["tokens", "q_batch", "k_batch", "v_batch", "g_batch", "beta_batch"])
-    def _recurrent(q, k, v, g, beta, start, out, deltas, final, tokens, q_batch, q_head, q_token, k_batch, k_head,
-                   k_token, v_batch, v_head, v_token, g_batch, g_head, g_token, beta_batch, beta_head, beta_token,
-                   HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+    @triton.jit(do_not_specialize=["tokens", "counted", "q_batch", "k_batch", "v_batch", "g_batch", "beta_batch"],
+                do_not_specialize_on_alignment=["count"])
+    def _recurrent(q, k, v, g, beta, start, out, final, tokens, count, counted, q_batch, q_head, q_token, k_batch,
+                   k_head, k_token, v_batch, v_head, v_token, g_batch, g_head, g_token, beta_batch, beta_head,
+                   beta_token, HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_V: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)  # b * HEADS + h
         b, h = bh // HEADS, bh % HEADS
@@ -85,7 +106,10 @@ if triton is not None:
         tile = bh * DK * DV + rows[:, None] * DV + cols[None, :]
         inside = row_in[:, None] & col_in[None, :]
         s = tl.load(start + tile, mask=inside, other=0.0)
-        for t in range(tokens):
+        applied = tokens
+        if counted != 0:  # a replay: the first `count` tokens of the run (clamped to it: count is not checked)
+            applied = tl.minimum(tl.load(count).to(tl.int32), tokens)
+        for t in range(applied):
             k_t = tl.load(k + b * k_batch + h * k_head + t * k_token + rows, mask=row_in, other=0.0)
             q_t = tl.load(q + b * q_batch + h * q_head + t * q_token + rows, mask=row_in, other=0.0)
             v_t = tl.load(v + b * v_batch + h * v_head + t * v_token + cols, mask=col_in, other=0.0)
@@ -95,5 +119,4 @@ if triton is not None:
             delta = beta_t * (v_t - tl.sum(k_t[:, None] * s, axis=0))
             s = s + k_t[:, None] * delta[None, :]
             tl.store(out + ((b * tokens + t) * HEADS + h) * DV + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_in)
-            tl.store(deltas + (bh * tokens + t) * DV + cols, delta, mask=col_in)
         tl.store(final + tile, s, mask=inside)

@@ -7,7 +7,9 @@ Per head, with a state S [Dk, Dv], a decay g_t <= 0 (log space) and a write stre
 
 delta_t is what token t writes into the state. Both forms return the deltas (they fall out of the
 computation), and with them the state after any prefix of the run has a closed form
-(`state_after_prefix`): that is how a speculative verify is rolled back without re-running it.
+(`state_after_prefix`): that is how a verify on these forms is rolled back without re-running it. It
+rounds apart from feeding the prefix token by token, as the chunked form does from decode steps; the
+Triton path (kernels/delta_rule.py), which must match decode bit for bit, replays the prefix instead.
 
 Tensors here are [B, H, T, D] with q and k already L2-normalised and expanded to the value heads,
 q scaled by Dk^-0.5, all in the compute dtype (float32, or float64 for float64 models).
@@ -78,10 +80,12 @@ def chunked_form(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, state, torch.cat(deltas, 2)[:, :, :t]
 
 
-def state_after_prefix(state, k, cum, deltas, n):
-    """The state after the first n tokens of a run that started from `state`:
-    S_n = exp(G_n) S_0 + sum_{j<n} exp(G_n - G_j) k_j delta_j^T with G the inclusive cumsum `cum` of g.
-    n is an int or a 0-dim device tensor: fixed shapes and no host sync, so CUDA graphs can capture it."""
+def state_after_prefix(k, g, deltas, state, n):
+    """The state after the first n tokens of a run that started from `state` with keys k, decays g and the
+    deltas it returned: S_n = exp(G_n) S_0 + sum_{j<n} exp(G_n - G_j) k_j delta_j^T with G the inclusive
+    cumsum of g. n is an int or a 0-dim device tensor: fixed shapes and no host sync, so CUDA graphs can
+    capture it."""
+    cum = g.cumsum(-1)
     j = torch.arange(cum.shape[-1], device=cum.device)
     last = torch.where(j == n - 1, cum, 0).sum(-1)  # G_n; 0 for n == 0
     weights = (last[..., None] - cum).masked_fill(j >= n, float("-inf")).exp()

@@ -6,6 +6,7 @@ delta rule (delta_rule.py) over a recurrent state per value head; an RMSNorm gat
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from ..kernels.config import KernelConfig
 from .config import ModelConfig
-from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form
+from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form, state_after_prefix
 
 # fla's fused recurrent kernel (token by token in one launch) takes runs of at most this many tokens
 # (decode, verify blocks), its chunked kernel longer ones (prefill). The torch path loops token by token
@@ -126,10 +127,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(b, t, -1))
 
     def _delta_rule(self, q, k, v, g, beta, window, cache) -> torch.Tensor:
-        """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache.
+        """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache, and while
+        the cache captures, how to get the state after a prefix of this run (hybrid_cache.py).
         With the kernels on, decode and verify steps take kernels/delta_rule.py, so that a verify computes
-        each token as decode does, and returns the deltas the capture rollback needs. Otherwise fla's
-        kernels return no deltas, so a run the cache captures for rollback takes the torch forms."""
+        each token as decode does, and a rollback replays the kept tokens with the same kernel. Otherwise a
+        run the cache captures takes the torch forms, whose deltas give the prefix states in closed form
+        (fla's kernels return none)."""
         start, tokens = cache.state[self.slot], q.shape[1]
         kernel = self._step_kernel(start, tokens)
         if kernel is None and fla_available(q.device) and not cache.capturing:
@@ -140,15 +143,19 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
         q = l2_normalize(q) / q.shape[-1] ** 0.5
         k = l2_normalize(k)
-        form = kernel or (recurrent_form if tokens == 1 else chunked_form)
-        out, state, deltas = form(q, k, v, g, beta, start)
-        cache.update(self.slot, window, state, (k, g.cumsum(-1), deltas) if cache.capturing else None)
+        if kernel is not None:
+            out, state = kernel.recurrent(q, k, v, g, beta, start)
+            prefix_state = functools.partial(kernel.state_after, k, v, g, beta)  # the same kernel, replayed
+        else:
+            out, state, deltas = (recurrent_form if tokens == 1 else chunked_form)(q, k, v, g, beta, start)
+            prefix_state = functools.partial(state_after_prefix, k, g, deltas)  # in closed form
+        cache.update(self.slot, window, state, prefix_state if cache.capturing else None)
         return out.transpose(1, 2)
 
     def _step_kernel(self, start: torch.Tensor, tokens: int):
-        """The Triton recurrence for this run where the kernels are on and it fits, else None."""
+        """kernels/delta_rule.py where the kernels are on and this run fits it, else None."""
         if self.kernels is None:
             return None
         from ..kernels import delta_rule  # imports Triton: only where it is used
 
-        return delta_rule.recurrent if delta_rule.fits(start, tokens) else None
+        return delta_rule if delta_rule.fits(start, tokens) else None

@@ -5,10 +5,17 @@ Attention KV rolls back for free (models/kv_cache.py). Recurrent states do not: 
 they have absorbed all T, and keep(n) must leave them exactly as if only the first n had been fed.
 A recorded forward first copies the states into `start_conv_all` / `start_state_all`; then, by `rollback`:
 
-- "capture" (default): the forward also records, per DeltaNet layer, its conv window and what each
-  token wrote into the state (k, cumulative decay, delta); keep(n) slices the window and rebuilds the
-  state after n tokens in closed form (delta_rule.state_after_prefix). A few vectors per token and
-  layer; n may be a device tensor (no host sync, fixed shapes: CUDA-graph safe).
+- "capture" (default): the forward also records, per DeltaNet layer, its conv window and a function of
+  (start state, n) for the state after its first n tokens, given by the delta-rule path the layer ran
+  (gated_deltanet.py); keep(n) slices the window and calls the function on `start_state_all`. n may be a
+  device tensor (no host sync, fixed shapes: CUDA-graph safe). One mechanism per path:
+  - the Triton kernel (decode and verify steps with the kernels on; Qwen3.5's default on CUDA): a replay
+    of the first n tokens from the start state on the kernel's recorded inputs (k, v, g, beta), by the
+    decode steps' own kernel binary with n read on the device (kernels/delta_rule.py state_after): bit
+    for bit the state of n decode steps, which the greedy contract needs in bf16.
+  - torch's forms (the CPU; CUDA with the kernels off; runs longer than the kernel takes): the closed
+    form over the recorded k, g and the deltas the forms return (delta_rule.state_after_prefix). It
+    rounds apart from feeding the tokens one by one, as the chunked verify itself does from decode steps.
 - "replay" (the reference): the forward keeps a way to re-run itself; keep(n) restores the start
   states and re-runs the first n tokens. One n-token forward per keep; reads n on the host.
 
@@ -29,7 +36,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .delta_rule import state_after_prefix
 from .kv_cache import KVCache
 
 ROLLBACK_MODES = ("capture", "replay")
@@ -43,7 +49,7 @@ class _Run:
     recorded: bool = False
     rerun: Callable[[int], None] | None = None  # replay: feed its first n tokens again
     windows: dict[int, torch.Tensor] = field(default_factory=dict)  # capture, per DeltaNet slot
-    traces: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    prefix_states: dict[int, Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
 
 class HybridCache:
@@ -110,13 +116,13 @@ class HybridCache:
         self._last = _Run(tokens, recorded, rerun if recorded and replay else None)
         self.capturing = recorded and not replay
 
-    def update(self, slot: int, window: torch.Tensor, state: torch.Tensor, trace=None) -> None:
+    def update(self, slot: int, window: torch.Tensor, state: torch.Tensor, prefix_state=None) -> None:
         """A DeltaNet layer's new state; window = [previous K-1 inputs, this run's inputs] of its conv.
-        trace = (k, cumulative g, deltas) while capturing."""
+        prefix_state(start, n), while capturing: the state after this run's first n tokens from `start`."""
         self.conv[slot].copy_(window[..., window.shape[-1] - self.conv[slot].shape[-1] :])
         self.state[slot].copy_(state)
-        if trace is not None:
-            self._last.windows[slot], self._last.traces[slot] = window, trace
+        if prefix_state is not None:
+            self._last.windows[slot], self._last.prefix_states[slot] = window, prefix_state
 
     def keep(self, kept: int | torch.Tensor) -> None:
         """Of the last forward's tokens keep the first `kept` (see the module doc)."""
@@ -146,4 +152,4 @@ class HybridCache:
             conv = self.conv[slot]
             columns = kept + torch.arange(conv.shape[-1], device=window.device)  # the K-1 inputs before n
             conv.copy_(window.index_select(-1, columns))
-            self.state[slot].copy_(state_after_prefix(self.start_state[slot], *run.traces[slot], kept))
+            self.state[slot].copy_(run.prefix_states[slot](self.start_state[slot], kept))

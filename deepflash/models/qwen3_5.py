@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..kernels.config import SHIPPED, KernelConfig
 from .base import TargetModel
 from .config import ModelConfig
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
@@ -159,6 +160,20 @@ class Qwen35Model(TargetModel):
                 continue
             out[name.replace("model.language_model.", "model.", 1)] = tensor
         return super().prepare_state_dict(out, cfg)
+
+    def use_kernels(self, kind: str, config: KernelConfig = SHIPPED) -> Qwen35Model:
+        """TargetModel's choice, except that under "auto" on CUDA the DeltaNet layers take their Triton
+        recurrence (kernels/delta_rule.py) while the other layers keep torch's forms (auto_kernels): a
+        verify and its rollback must leave each token's state as a decode step does, which torch's chunked
+        form and closed-form rollback do not (in bf16 greedy speculative output left plain decoding's)."""
+        from ..kernels.triton_support import usable  # imports Triton: only where it is used
+
+        super().use_kernels(kind, config)
+        if kind == "auto" and usable(self.device):
+            for module in self.modules():
+                if isinstance(module, GatedDeltaNet):
+                    module.kernels = config
+        return self
 
     def new_cache(self, batch: int, max_len: int, *, rollback: str = "capture",
                   rollback_tokens: int = 64) -> HybridCache:
