@@ -27,6 +27,7 @@ still run. The command exits 0 either way: it is a report, whose last table line
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 import traceback
 from collections.abc import Callable
 
@@ -44,6 +45,7 @@ from ..errors import UserError
 from ..loading.targets import build_from_state
 from ..loading.tokenizer import word_tokenizer
 from ..models import init_random_, materialize, random_model
+from ..models.base import TARGET_KERNELS
 from ..models.config import ModelConfig
 from .common import environment, finish, save, stdout, table
 
@@ -141,7 +143,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def logits_parity(shape: dict, device: torch.device, dtype: torch.dtype, prompt_tokens: int) -> dict:
+def logits_parity(shape: dict, device: torch.device, dtype: torch.dtype, prompt_tokens: int,
+                  kernels: str = "auto") -> dict:
     """Every position's logits of ours (on the engine's default target kernels), loaded from a random
     transformers model's state dict, against that model's, both in `dtype` on `device`. Both are also
     compared with transformers in float32: in 16 bits, how far its own run strays from float32 is the
@@ -152,7 +155,7 @@ def logits_parity(shape: dict, device: torch.device, dtype: torch.dtype, prompt_
     hf = hf.to(dtype)
     want = hf(tokens).logits[0].float()
     cfg = ModelConfig.from_hf(hf.config.to_dict())
-    ours = build_from_state(cfg, dict(hf.state_dict()), device, dtype).use_kernels("auto")
+    ours = build_from_state(cfg, dict(hf.state_dict()), device, dtype).use_kernels(kernels)
     del hf
     positions = torch.arange(prompt_tokens, device=device)
     got = ours(tokens, positions, ours.new_cache(1, prompt_tokens))[0][0].float()
@@ -232,7 +235,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @torch.no_grad()
 def spec_against_plain(shape: dict, device: torch.device, dtype: torch.dtype, prompt_tokens: int, max_new: int,
-                       max_ctx: int) -> dict:
+                       max_ctx: int, kernels: str = "auto") -> dict:
     """Greedy output of a speculative engine (random drafter, spec on) against a plain engine's, and the
     speculative engine's peak allocation against its memory plan. Speculative first: its peak is then not
     raised by a plain engine's buffers."""
@@ -240,13 +243,14 @@ def spec_against_plain(shape: dict, device: torch.device, dtype: torch.dtype, pr
     drafter = random_drafter_for(target)
     tokenizer = word_tokenizer(target.cfg.vocab_size)
     prompt = random_prompt(target.cfg.vocab_size, prompt_tokens)
-    spec_config = EngineConfig(spec="on", block_size=BLOCK, max_ctx=max_ctx)
+    plain_config = EngineConfig(max_ctx=max_ctx, target_kernels=kernels)
+    spec_config = replace(plain_config, spec="on", block_size=BLOCK)
 
     def speculative():
         return greedy_output(Engine(target, tokenizer, drafter, spec_config), prompt, max_new)
 
     spec, peak = with_peak(device, speculative)
-    plain = greedy_output(Engine(target, tokenizer, config=EngineConfig(max_ctx=max_ctx)), prompt, max_new)
+    plain = greedy_output(Engine(target, tokenizer, config=plain_config), prompt, max_new)
     plan = plan_memory(target, drafter, max_ctx, spec_config, device).total
     first = first_difference(spec.token_ids, plain.token_ids)
     return {"ok": first is None, "first_difference": first, "spec_ids": spec.token_ids, "plain_ids": plain.token_ids,
@@ -276,14 +280,15 @@ def release(device: torch.device) -> None:
 
 
 def check_family(family: str, size: str, device: torch.device, dtype: torch.dtype, prompt_tokens: int,
-                 max_new: int, max_ctx: int) -> dict:
+                 max_new: int, max_ctx: int, kernels: str = "auto") -> dict:
     """One row: the logits check (tiny only: a transformers model beside ours at a wide shape would double the
     device memory) and the speculative-against-plain check with its memory, each on its own."""
     shape = family_shape(family, size)
     row = {"family": family, "size": size, "logits": None}
     if size == "tiny":
-        row["logits"] = attempt(lambda: logits_parity(shape, device, dtype, prompt_tokens), device)
-    row["spec"] = attempt(lambda: spec_against_plain(shape, device, dtype, prompt_tokens, max_new, max_ctx), device)
+        row["logits"] = attempt(lambda: logits_parity(shape, device, dtype, prompt_tokens, kernels), device)
+    row["spec"] = attempt(lambda: spec_against_plain(shape, device, dtype, prompt_tokens, max_new, max_ctx, kernels),
+                          device)
     return row
 
 
@@ -317,12 +322,13 @@ def run(args) -> dict:
         raise UserError(f"--families: unknown {sorted(unknown)}; choose from {list(FAMILIES)}")
     sizes = SIZES if args.size == "all" else (args.size,)
     record = {"bench": "families", **environment(device), "dtype": str(dtype).removeprefix("torch."),
+              "target_kernels": args.target_kernels,
               "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens, "max_ctx": args.max_ctx,
               "rows": []}
     for size in sizes:
         for family in families:
             record["rows"].append(check_family(family, size, device, dtype, args.prompt_tokens,
-                                               args.max_new_tokens, args.max_ctx))
+                                               args.max_new_tokens, args.max_ctx, args.target_kernels))
             save(record, args.out)  # a later family that hangs or runs out of time keeps the finished rows
     record["checks"] = sum((row["logits"] is not None) + 1 for row in record["rows"])
     record["failures"] = sum(failures(row) for row in record["rows"])
@@ -365,5 +371,6 @@ def register(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-ctx", type=int, default=2048)
+    p.add_argument("--target-kernels", default="auto", choices=TARGET_KERNELS, help="as generate's")
     p.add_argument("--out", help="JSON file")
     p.set_defaults(func=run)
