@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafter.features import drafter_window, mirror_format
+from ..models.layers import folded_mask_bytes
 from .config import EngineConfig
 from .steps import commits_aside
 
@@ -125,15 +126,17 @@ def blas_workspaces(device: torch.device, cuda_graphs: bool, aside: bool) -> int
 
 def _workspace(cfg, item: int, max_ctx: int, chunk: int, block: int, width: int) -> int:
     """Peak transient bytes: the larger of a prefill chunk and a verify step (CUDA attention kernels
-    do not materialise scores; the boolean mask is T x kv_len)."""
+    do not materialise scores; the folded mask, layers.forward_mask, is G * T x kv_len)."""
     inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
     per_token = (8 * cfg.hidden_size + 3 * inter + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * item
     # features are captured per tap, concatenated, then stored and decoded as float32 for the drafter
     per_token += width * (2 * item + 8)
-    prefill = chunk * (per_token + max_ctx) + cfg.vocab_size * 4
+    groups = cfg.num_heads // cfg.num_kv_heads
+    prefill = chunk * per_token + folded_mask_bytes(chunk, max_ctx, groups, item) + cfg.vocab_size * 4
     # verify: logits, float32 adjusted scores, float64 uniforms and float32 gumbel noise over the vocabulary,
     # and with penalties the rows' int32 counts (one-hot, running sum, sum), a bool mask and float32 scores
-    verify = block * (per_token + max_ctx + cfg.vocab_size * (item + 4 + 8 + 4 + 8 + 17))
+    verify = block * (per_token + cfg.vocab_size * (item + 4 + 8 + 4 + 8 + 17))
+    verify += folded_mask_bytes(block, max_ctx, groups, item)
     return max(prefill, verify)
 
 

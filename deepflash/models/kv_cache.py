@@ -54,12 +54,15 @@ class KVCache:
         recurrent caches of hybrid models override this."""
 
 
-def causal_mask(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean [T, kv_len], or [B, 1, T, kv_len] with a per-row key mask for left-padded batches: real
-    tokens never see padding; padding queries see the causal prefix so that no row is fully masked
-    (a fully masked row would turn into NaN and poison the cache)."""
-    mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+def hidden_keys(positions: torch.Tensor, kv_len: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal mask's complement, True where a query must not look: boolean [T, kv_len], or
+    [B, 1, T, kv_len] with a per-row key mask for left-padded batches. Complement because masked_fill
+    takes it so (layers.fold_hidden): negating a mask costs a temporary of its size. Real tokens never
+    see padding; padding queries see the causal prefix so that no row is fully masked (a fully masked
+    row would turn into NaN and poison the cache)."""
+    hidden = torch.arange(kv_len, device=positions.device)[None, :] > positions[:, None]
     if key_mask is None:
-        return mask
-    pad_query = ~key_mask[:, positions]
-    return (mask[None] & (key_mask[:, None, :kv_len] | pad_query[:, :, None]))[:, None]
+        return hidden
+    padding = ~key_mask[:, None, :kv_len]
+    real_query = key_mask[:, positions, None]
+    return (hidden[None] | (padding & real_query))[:, None]
