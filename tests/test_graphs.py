@@ -131,3 +131,16 @@ def test_the_feature_commit_beside_the_target_keeps_the_context_exact(cuda_graph
         torch.testing.assert_close(before[:, :, held], after[:, :, held], rtol=1e-4, atol=1e-4)
     plain = Engine(target, tokenizer, config=EngineConfig(max_ctx=128, cuda_graphs=cuda_graphs)).complete(prompt, params)
     assert result.token_ids == plain.token_ids
+
+
+def test_the_drafter_window_ends_a_kv_bucket():
+    """Steps below the drafter's window get a span within it (its ring has not wrapped: the draft runs on the
+    decode kernel); past it, powers of two again; never beyond the cache."""
+    from deepflash.engine.graphs import kv_bucket
+
+    assert kv_bucket(32784, 131200) == 65536
+    assert kv_bucket(32784, 131200, window=40960) == 40960
+    assert kv_bucket(40960, 131200, window=40960) == 40960
+    assert kv_bucket(40961, 131200, window=40960) == 65536
+    assert kv_bucket(300, 131200, window=40960) == 512
+    assert kv_bucket(32784, 36000, window=40960) == 36000

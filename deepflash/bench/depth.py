@@ -53,7 +53,7 @@ def step_row(engine: Engine, depth: int, block: int) -> dict:
     engine.complete(prompt_of(depth, engine.target.cfg.vocab_size), SamplingParams(max_new_tokens=1))
     steps, state = engine.steps, engine.state
     start = state.start.clone()
-    span = kv_bucket(depth + block, engine.max_ctx)
+    span = kv_bucket(depth + block, engine.max_ctx, engine.window)  # as the engine's spec steps
     params = SamplingParams()
     state.sampling.load(params)
 

@@ -327,10 +327,11 @@ class Engine:
         processed = self._processed_bound(seq, inflight)
         began = time.perf_counter()
         params = seq.params
-        region = kv_bucket(processed + self.block_size, self.max_ctx)  # step costs are per KV bucket
+        window = self.window if self.drafter is not None else None
+        region = kv_bucket(processed + self.block_size, self.max_ctx, window)  # step costs are per KV bucket
         switched = False
         if self.drafter is not None and size >= 2 and self.controller.use_spec(region):
-            kv_len = kv_bucket(processed + size, self.max_ctx)
+            kv_len = kv_bucket(processed + size, self.max_ctx, window)
             # switching work, not a spec step's cost: counted as one it would raise the break-even and turn
             # paying drafters off (DESIGN.md, the controller)
             switched = self._catch_up(seq, inflight, processed)
@@ -342,7 +343,7 @@ class Engine:
             timer.stop()
             kind = "spec"
         else:
-            kv_len = kv_bucket(processed + 1, self.max_ctx)
+            kv_len = kv_bucket(processed + 1, self.max_ctx, window)
             captured = self.graphs.run(("plain", kv_len) + params.graph_key, lambda: self.steps.plain(kv_len, params))
             kind, size = "plain", 1
         for queued in inflight:

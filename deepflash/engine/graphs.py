@@ -94,12 +94,16 @@ def capture_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda
     return _capture_streams(torch.device(device.type, index))
 
 
-def kv_bucket(needed: int, max_ctx: int, floor: int = 256) -> int:
+def kv_bucket(needed: int, max_ctx: int, window: int | None = None, floor: int = 256) -> int:
     """Attention span for a step that touches positions < needed: the next power of two (few graph
-    variants, little wasted attention), never beyond the cache."""
+    variants, little wasted attention), never beyond the cache. The drafter's `window` is a bucket end too:
+    steps below it get a span within it, where the drafter's ring has not wrapped and drafts on the decode
+    kernel (drafter/context.py _on_kernel); a 32K-token context's next power of two is past a 40960 window."""
     span = floor
     while span < needed:
         span *= 2
+    if window is not None and needed <= window < span:
+        span = window
     return min(span, max_ctx)
 
 
