@@ -300,4 +300,4 @@ def test_on_the_gpu_the_cache_leaves_greedy_output_unchanged(kind, dtype):
         for _, _, (hit, ref) in agent_turns([cached, cold], seed, 4):
             assert hit.token_ids == ref.token_ids
     stats = cached.prefix.index.stats
-    assert stats.hit_tokens > stats.miss_tokens and stats.demotions > 0
+    assert stats.hit_tokens > 0 and stats.demotions > 0  # restores end on the grid: a turn's reply is computed
