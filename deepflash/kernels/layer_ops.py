@@ -5,7 +5,8 @@ arithmetic (profile_step.py: the adds and the silu / multiply took ~160 of the S
 step's 1412 us). Chosen with the target's other Triton kernels (TargetModel.use_kernels);
 `TRITON_INTERPRET=1` runs them on the CPU for the tests. Decode and verify steps fold both into the
 projection after them (kernels/gemv.py); these serve longer inputs (prefill), MoE layers and the final
-norm.
+norm. row_norm normalises each row in one program for Qwen3.5's norms (models/qwen3_5.py,
+models/gated_deltanet.py), so that a verify step's rows get decode steps' bits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from .triton_support import tl, triton
 
 SILU_BLOCK = 1024  # values of a row per silu_mul program
+NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # row_norm's inputs; float64 keeps torch's forms
+OFFSET_RMS, L2, GATED_RMS = 0, 1, 2  # row_norm's modes
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -33,6 +36,24 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     _add_rms_norm[(x.numel() // width,)](x, x if y is None else y.contiguous(), weight, total, normed, width, eps,
                                          BLOCK=block, ADD=y is not None, num_warps=min(max(block // 256, 4), 8))
     return total, normed
+
+
+def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor | None = None,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
+    """A norm over the last dim, each row in one program that reduces its whole row in one block: a row's
+    result is the same bit for bit whatever the number of rows, where torch's reductions pick another
+    strategy for 1 and 16 rows on CUDA (a verify step must normalise each token as a decode step does).
+    In float32, rounded to x's dtype at the end. Modes: OFFSET_RMS (x * rsqrt(mean(x^2) + eps) * (1 + weight):
+    Qwen3.5's norms), L2 (x * rsqrt(sum(x^2) + eps), no weight), GATED_RMS (x * rsqrt(mean(x^2) + eps)
+    rounded to x's dtype, times weight rounded again, times silu(gate): the DeltaNet's GatedRMSNorm, in its
+    rounding order)."""
+    width = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(width)
+    _row_norm[(x.numel() // width,)](x, x if weight is None else weight, x if gate is None else gate.contiguous(),
+                                     out, width, eps, BLOCK=block, MODE=mode, num_warps=min(max(block // 256, 4), 8))
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -62,6 +83,27 @@ if triton is not None:
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / width + eps)
         gain = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(normed + offsets, (s * inv_rms * gain).to(normed.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _row_norm(x, weight, gate, out, width, eps, BLOCK: tl.constexpr, MODE: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        offsets = row * width + cols
+        s = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
+        squares = tl.sum(s * s, axis=0)
+        if MODE == 1:  # L2
+            s = s * (1.0 / tl.sqrt(squares + eps))
+        else:
+            s = s * (1.0 / tl.sqrt(squares / width + eps))
+            w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+            if MODE == 0:  # OFFSET_RMS
+                s = s * (1.0 + w)
+            else:  # GATED_RMS: rounded to the dtype before and after the weight, as GatedRMSNorm does
+                s = (w * s.to(out.dtype.element_ty).to(tl.float32)).to(out.dtype.element_ty).to(tl.float32)
+                g = tl.load(gate + offsets, mask=inside, other=0.0).to(tl.float32)
+                s = s * (g / (1.0 + tl.exp(-g)))
+        tl.store(out + offsets, s.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _silu_mul(gate_up, out, width, BLOCK: tl.constexpr):

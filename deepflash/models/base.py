@@ -7,7 +7,7 @@ import torch
 from ..errors import UserError
 from ..kernels.config import SHIPPED, KernelConfig
 from .config import ModelConfig
-from .layers import FusedProjections, embedding_rows, final_norm, tap
+from .layers import DECODE, FusedProjections, embedding_rows, final_norm, forward_mask, tap
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
 
@@ -23,6 +23,7 @@ class TargetModel(FusedProjections):
     """Subclasses define `model.embed_tokens`, `model.layers`, `lm_head`, `new_cache` and `forward`."""
 
     auto_kernels = "torch"  # what use_kernels("auto") picks on CUDA: a subclass's measured-faster set
+    kernels: KernelConfig | None = None  # use_kernels sets it with its layers' (attention_mask)
     # a position's forward may run twice, rewriting its KV with the same values: the engine's prefill
     # may then cover a prompt with overlapping power-of-two pieces (graphs.prefill_pieces). Recurrent
     # layers would absorb the token twice.
@@ -60,6 +61,18 @@ class TargetModel(FusedProjections):
         for module in layers:
             module.kernels = config if kind == "triton" else None
         return self
+
+    def attention_mask(self, positions, kv_len: int, key_mask, dtype: torch.dtype) -> torch.Tensor | str:
+        """DECODE for decode and verify steps on the Triton kernels (a few queries, no key mask, not the
+        whole key range): the decode-attention kernel masks by position, computes a verified token exactly as a
+        decoded one (SDPA's kernels differ between 1 and 16 queries), and building the mask tensor anyway cost 6
+        kernels per step. Else forward_mask's."""
+        from ..kernels.attention import MAX_QUERIES
+
+        t = positions.shape[-1]
+        if self.kernels is not None and key_mask is None and t <= MAX_QUERIES and t != kv_len:
+            return DECODE
+        return forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, dtype)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

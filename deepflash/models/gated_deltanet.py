@@ -16,6 +16,7 @@ from torch import nn
 from ..kernels.config import KernelConfig
 from .config import ModelConfig
 from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form, state_after_prefix
+from .layers import linear_rows
 
 # fla's fused recurrent kernel (token by token in one launch) takes runs of at most this many tokens
 # (decode, verify blocks), its chunked kernel longer ones (prefill). The torch path loops token by token
@@ -65,8 +66,14 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: KernelConfig | None = None  # Triton's row-invariant norm, else torch's (use_kernels)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            from ..kernels import layer_ops  # imports Triton: only where it is used
+
+            if x.dtype in layer_ops.NORM_DTYPES:  # one program per row: a verify step's rows as decode's
+                return layer_ops.row_norm(x, layer_ops.GATED_RMS, self.eps, self.weight, gate)
         dtype = x.dtype
         x = x.float()
         x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
@@ -80,8 +87,19 @@ def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (taps * weight[:, None, 0, :]).sum(-1)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def l2_normalize_rows(x: torch.Tensor) -> torch.Tensor:
+    """l2_normalize by Triton's row norm (kernels/layer_ops.py): each row summed in one program, so a verify
+    step's tokens are normalised bit for bit as decode steps' are, where torch's sum is not."""
+    from ..kernels import layer_ops  # imports Triton: only where it is used
+
+    return layer_ops.row_norm(x, layer_ops.L2, L2_EPS)
 
 
 class GatedDeltaNet(nn.Module):
@@ -99,6 +117,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(shape.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(shape.value_width, hidden, bias=False)
         self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
+        # the Triton recurrence alone, the rest on torch's forms (Qwen35Model.use_kernels under "auto")
+        self.recurrence: KernelConfig | None = None
 
     def forward(self, x: torch.Tensor, cache, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H]; live [B, T] is False on left padding, whose zero inputs leave the state at zero."""
@@ -110,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         if t == 1:  # a sequence's first token starts from an empty conv (the cache resets longer runs)
             conv = conv.masked_fill(cache.fresh, 0)
         # the conv window: the cached last K-1 inputs, then this run's inputs
-        window = torch.cat([conv, self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
+        window = torch.cat([conv, self._project(self.in_proj_qkv, x).transpose(1, 2)], dim=-1)
         mixed = F.silu(depthwise_conv(window, self.conv1d.weight)).transpose(1, 2)
         q, k, v = mixed.split([s.key_width, s.key_width, s.value_width], dim=-1)
         repeat = s.value_heads // s.key_heads  # each q/k head serves `repeat` consecutive value heads
@@ -118,13 +138,18 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(b, t, s.key_heads, s.key_dim).repeat_interleave(repeat, dim=2)
         v = v.reshape(b, t, s.value_heads, s.value_dim)
         compute = cache.state[self.slot].dtype
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.to(compute).exp() * F.softplus(self.in_proj_a(x).to(compute) + self.dt_bias.to(compute))
+        beta = self._project(self.in_proj_b, x).sigmoid()
+        a = self._project(self.in_proj_a, x)
+        g = -self.A_log.to(compute).exp() * F.softplus(a.to(compute) + self.dt_bias.to(compute))
         if t == 1:  # and forgets the old state: decay exp(-inf) = 0 (the recurrent forms multiply by it)
             g = g.masked_fill(cache.fresh, float("-inf"))
         out = self._delta_rule(q, k, v, g, beta, window, cache).to(x.dtype)
-        out = self.norm(out, self.in_proj_z(x).view(b, t, s.value_heads, s.value_dim))
-        return self.out_proj(out.reshape(b, t, -1))
+        out = self.norm(out, self._project(self.in_proj_z, x).view(b, t, s.value_heads, s.value_dim))
+        return self._project(self.out_proj, out.reshape(b, t, -1))
+
+    def _project(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """proj(x), on kernels/gemv.py for a step's few rows when the kernels are on (layers.linear_rows)."""
+        return linear_rows(x, proj.weight, proj.bias, self.kernels)
 
     def _delta_rule(self, q, k, v, g, beta, window, cache) -> torch.Tensor:
         """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache, and while
@@ -141,8 +166,11 @@ class GatedDeltaNet(nn.Module):
             cache.update(self.slot, window, state)
             return out
         q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
-        q = l2_normalize(q) / q.shape[-1] ** 0.5
-        k = l2_normalize(k)
+        # on the kernels, a step's q/k rows are normalised as decode steps' are; the recurrence alone ("auto")
+        # keeps torch's norm
+        normalize = l2_normalize_rows if kernel is not None and self.kernels is not None else l2_normalize
+        q = normalize(q) / q.shape[-1] ** 0.5
+        k = normalize(k)
         if kernel is not None:
             out, state = kernel.recurrent(q, k, v, g, beta, start)
             prefix_state = functools.partial(kernel.state_after, k, v, g, beta)  # the same kernel, replayed
@@ -153,8 +181,9 @@ class GatedDeltaNet(nn.Module):
         return out.transpose(1, 2)
 
     def _step_kernel(self, start: torch.Tensor, tokens: int):
-        """kernels/delta_rule.py where the kernels are on and this run fits it, else None."""
-        if self.kernels is None:
+        """kernels/delta_rule.py where the kernels (or the recurrence alone) are on and this run fits it,
+        else None."""
+        if self.kernels is None and self.recurrence is None:
             return None
         from ..kernels import delta_rule  # imports Triton: only where it is used
 

@@ -100,6 +100,19 @@ def output_projection(proj: nn.Linear, x: torch.Tensor, tiling: ProjectionTiling
     return proj(x)
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig | None
+                ) -> torch.Tensor:
+    """x @ weight.T + bias: with the kernels on, for a decode or verify step's few rows kernels/gemv.py
+    linear, which gives a row the same bits whatever the number of rows (cuBLAS picks other kernels for 1
+    and 16 rows, so a verify step would round its tokens unlike decode steps); else torch's GEMM."""
+    if kernels is not None:
+        from ..kernels import gemv  # imports Triton: only where it is used
+
+        if gemv.fits(x, weight, kernels.projections):
+            return gemv.linear(x, weight, bias, kernels.projections)
+    return F.linear(x, weight, bias)
+
+
 def final_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> torch.Tensor:
     """The stack's final norm, adding a fused layer's pending MLP output in the same kernel."""
     return fused_norm(norm, x)[1] if isinstance(x, Pending) else norm(x)
@@ -300,7 +313,7 @@ class MLP(nn.Module):
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.kernels is not None:
-            return self.down(F.linear(x, *self.gate_up), self.kernels.projections)
+            return self.down(linear_rows(x, *self.gate_up, self.kernels), self.kernels.projections)
         gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

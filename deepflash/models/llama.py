@@ -13,8 +13,8 @@ from ..kernels.config import KernelConfig
 from .base import TargetModel
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, forward_mask,
-                     fuse_linears, fused_norm, norm_linear, output_projection, read_by_torch_gemm)
+from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fuse_linears,
+                     fused_norm, norm_linear, output_projection, read_by_torch_gemm)
 
 
 class Attention(nn.Module):
@@ -123,7 +123,6 @@ class LlamaModel(TargetModel):
     # on an H200, decode 1.2x (Qwen3-8B shape) to 2.0x (SmolLM2, end to end) faster than on torch's
     # kernels, and the same greedy output from plain and speculative decoding
     auto_kernels = "triton"
-    kernels: KernelConfig | None = None  # TargetModel.use_kernels sets it with its layers'
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -131,17 +130,6 @@ class LlamaModel(TargetModel):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
-
-    def attention_mask(self, positions, kv_len: int, key_mask, dtype: torch.dtype) -> torch.Tensor | str:
-        """DECODE for decode and verify steps on the Triton kernels (a few queries, no key mask, not the
-        whole key range): the decode-attention kernel masks by position, and building the mask tensor
-        anyway cost 6 kernels per step. Else forward_mask's."""
-        from ..kernels.attention import MAX_QUERIES
-
-        t = positions.shape[-1]
-        if self.kernels is not None and key_mask is None and t <= MAX_QUERIES and t != kv_len:
-            return DECODE
-        return forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, dtype)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg

@@ -23,7 +23,7 @@ from .config import ModelConfig
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
 from .hybrid_cache import ROLLBACK_MODES, HybridCache
 from .kv_cache import KVCache
-from .layers import MLP, Rotary, SparseMoe, apply_rotary, attention, forward_mask
+from .layers import DECODE, MLP, Rotary, SparseMoe, apply_rotary, attention, linear_rows
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -46,8 +46,14 @@ class OffsetRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.kernels: KernelConfig | None = None  # Triton's row-invariant norm, else torch's (use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            from ..kernels import layer_ops  # imports Triton: only where it is used
+
+            if x.dtype in layer_ops.NORM_DTYPES:  # one program per row: a verify step's rows as decode's
+                return layer_ops.row_norm(x, layer_ops.OFFSET_RMS, self.eps, self.weight)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -62,7 +68,7 @@ class Step:
     positions: torch.Tensor
     cache: HybridCache
     kv_len: int
-    mask: torch.Tensor | str  # folded mask or layers.CAUSAL
+    mask: torch.Tensor | str  # folded mask, layers.CAUSAL or layers.DECODE (Qwen35Model.attention_mask)
     live: torch.Tensor | None  # [B, T], False on left padding
 
 
@@ -80,18 +86,34 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
     def forward(self, x, step: Step) -> torch.Tensor:
         b, t, _ = x.shape
-        q, gate = self.q_proj(x).view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = self._project(self.q_proj, x).view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)), step.cos, step.sin)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        k = self._project(self.k_proj, x).view(b, t, self.kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(k), step.cos, step.sin)
+        v = self._project(self.v_proj, x).view(b, t, self.kv_heads, self.head_dim)
         kv = step.cache.kv
         kv.write(self.slot, step.positions, k.transpose(1, 2), v.transpose(1, 2))
+        out = self._attend(q.transpose(1, 2), kv, step).transpose(1, 2).reshape(b, t, -1)
+        return self._project(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)))
+
+    def _attend(self, q: torch.Tensor, kv: KVCache, step: Step) -> torch.Tensor:
+        """Attention of q [B, H, T, D] over this layer's cache. Decode and verify steps on the kernels
+        (step.mask DECODE) take kernels/attention.py, which computes a verified token exactly as a decoded
+        one, where SDPA's kernels differ between 1 and 16 queries; else SDPA."""
+        if step.mask is DECODE:
+            from ..kernels.attention import decode_attention  # imports Triton: only where it is used
+
+            return decode_attention(q, kv.k[self.slot], kv.v[self.slot], step.positions, step.kv_len)
         keys, values = kv.read(self.slot, step.kv_len)
-        out = attention(q.transpose(1, 2), keys, values, step.mask).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+        return attention(q, keys, values, step.mask)
+
+    def _project(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """proj(x), on kernels/gemv.py for a step's few rows when the kernels are on (layers.linear_rows)."""
+        return linear_rows(x, proj.weight, proj.bias, self.kernels)
 
 
 class SharedExpertMoe(SparseMoe):
@@ -102,9 +124,25 @@ class SharedExpertMoe(SparseMoe):
                          normalize=True)
         self.shared_expert = MLP(cfg.hidden_size, int(cfg.raw["shared_expert_intermediate_size"]))
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        flat = x.reshape(-1, x.shape[-1])
+        experts, weights = self._route(flat)
+        routed = self.experts(flat, experts, weights).reshape(x.shape)
+        shared_gate = linear_rows(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias, self.kernels)
+        return routed + torch.sigmoid(shared_gate) * self.shared_expert(x)
+
+    def _route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's (experts, weights) of rows [N, H], its logits on kernels/gemv.py for a step's few rows
+        when the kernels are on (layers.linear_rows): the Router's softmax, top-k and renormalisation on
+        them. Softmax and top-k take each row alone (one warp a row for up to 1024 experts)."""
+        if self.kernels is None:
+            return self.gate(flat)
+        probs = linear_rows(flat, self.gate.weight, None, self.kernels).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.gate.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # Qwen3.5 always renormalises (normalize=True)
+        return experts, weights.to(flat.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -163,16 +201,17 @@ class Qwen35Model(TargetModel):
 
     def use_kernels(self, kind: str, config: KernelConfig = SHIPPED) -> Qwen35Model:
         """TargetModel's choice, except that under "auto" on CUDA the DeltaNet layers take their Triton
-        recurrence (kernels/delta_rule.py) while the other layers keep torch's forms (auto_kernels): a
+        recurrence (kernels/delta_rule.py; their `recurrence`, their `kernels` staying None) while everything
+        else keeps torch's forms (auto_kernels): a
         verify and its rollback must leave each token's state as a decode step does, which torch's chunked
         form and closed-form rollback do not (in bf16 greedy speculative output left plain decoding's)."""
         from ..kernels.triton_support import usable  # imports Triton: only where it is used
 
         super().use_kernels(kind, config)
-        if kind == "auto" and usable(self.device):
-            for module in self.modules():
-                if isinstance(module, GatedDeltaNet):
-                    module.kernels = config
+        recurrence = config if kind == "auto" and usable(self.device) else None  # reset by every other choice
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.recurrence = recurrence
         return self
 
     def new_cache(self, batch: int, max_len: int, *, rollback: str = "capture",
@@ -201,7 +240,7 @@ class Qwen35Model(TargetModel):
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         live = None if key_mask is None else key_mask[:, positions]
-        mask = forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
+        mask = self.attention_mask(positions, kv_len, key_mask, x.dtype)
         step = Step(cos, sin, positions, cache, kv_len, mask, live)
         return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits, on_features)
 

@@ -1,0 +1,78 @@
+"""Qwen3.5's target kernels "triton": a verify step computes each token bit for bit as a decode step does
+(on the CPU in Triton's interpreter: helpers.triton_device). Float32, since the interpreter truncates
+float32 -> bf16 conversions where torch rounds them."""
+
+import pytest
+import torch
+from helpers import hybrid_target, triton_device
+
+from deepflash.models.gated_deltanet import GatedRMSNorm, l2_normalize
+from deepflash.models.qwen3_5 import OffsetRMSNorm
+
+DEVICE = triton_device()
+PROMPT, BLOCK, SPAN = 5, 16, 32  # prefill tokens, verify block, the steps' KV span (a graph bucket)
+
+
+def two_layer_target(kind: str):
+    """One DeltaNet and one full-attention layer on the kernels: every kind of layer, in little time. 32
+    value heads: torch's transcendental elementwise ops on the CPU (softplus, sigmoid, silu) take SIMD code
+    for runs of 32 floats (AVX512) and scalar code for the rest, which rounds apart (the DeltaNet's softplus
+    of one token's 4 heads differed from the same values among 16 tokens' 64); every width a token gives
+    them is then a multiple of 32. CUDA's compute every element alike."""
+    types = ["linear_attention", "full_attention"]
+    model = hybrid_target(kind, dtype=torch.float32, num_hidden_layers=2, layer_types=types,
+                          linear_num_value_heads=32).to(DEVICE)
+    return model.use_kernels("triton")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_verify_block_computes_each_token_as_decode_steps(kind):
+    """A 16-token forward's last hidden states (the final norm's output, the LM head's input) equal, bit for
+    bit, those of the same tokens fed one at a time from the same cache state: what keeps greedy speculative
+    output equal to plain output. The LM head itself is torch's GEMM (TargetModel.project), which on the CPU
+    rounds a row by the number of rows."""
+    model = two_layer_target(kind)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, PROMPT + BLOCK), generator=torch.Generator().manual_seed(3))
+    ids = ids.to(DEVICE)
+    caches = [model.new_cache(1, 64) for _ in range(2)]
+    for cache in caches:
+        model(ids[:, :PROMPT], torch.arange(PROMPT, device=DEVICE), cache, PROMPT, logits="none")
+    last = len(model.model.layers) - 1
+    positions = torch.arange(PROMPT, PROMPT + BLOCK, device=DEVICE)
+    block = model(ids[:, PROMPT:], positions, caches[0], SPAN, capture=(last,), logits="none")[1]
+    for i in range(BLOCK):
+        alone = model(ids[:, PROMPT + i : PROMPT + i + 1], positions[i : i + 1], caches[1], SPAN, capture=(last,),
+                      logits="none")[1]
+        assert torch.equal(alone, block[:, i : i + 1]), i
+    assert torch.equal(caches[0].state_all, caches[1].state_all)  # and the DeltaNet states they leave
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_kernels_compute_what_torch_does(kind):
+    """Prefill and a verify block with the kernels on and off: the same logits up to rounding."""
+    models = [two_layer_target(kind), two_layer_target(kind).use_kernels("torch")]
+    ids = torch.randint(0, models[0].cfg.vocab_size, (1, PROMPT + 6), generator=torch.Generator().manual_seed(4))
+    ids = ids.to(DEVICE)
+    outs = []
+    for model in models:
+        cache = model.new_cache(1, 64)
+        model(ids[:, :PROMPT], torch.arange(PROMPT, device=DEVICE), cache, PROMPT, logits="none")
+        outs.append(model(ids[:, PROMPT:], torch.arange(PROMPT, PROMPT + 6, device=DEVICE), cache, SPAN)[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_row_norms_match_the_torch_forms():
+    """layer_ops.row_norm's modes against OffsetRMSNorm, GatedRMSNorm and l2_normalize in torch."""
+    from deepflash.kernels import layer_ops
+
+    gen = torch.Generator().manual_seed(5)
+    x, gate = (torch.randn(3, 4, 24, generator=gen).to(DEVICE) for _ in range(2))
+    weight = (0.5 * torch.randn(24, generator=gen)).to(DEVICE)
+    offset, gated = OffsetRMSNorm(24, 1e-6).to(DEVICE), GatedRMSNorm(24, 1e-6).to(DEVICE)
+    offset.weight.data.copy_(weight)
+    gated.weight.data.copy_(weight)
+    pairs = [(layer_ops.row_norm(x, layer_ops.OFFSET_RMS, 1e-6, weight), offset(x)),
+             (layer_ops.row_norm(x, layer_ops.GATED_RMS, 1e-6, weight, gate), gated(x, gate)),
+             (layer_ops.row_norm(x, layer_ops.L2, 1e-6), l2_normalize(x))]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
