@@ -27,13 +27,19 @@ def test_first_difference_names_where_outputs_part():
     assert families.first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_a_failed_logits_check_is_shown_with_its_float32_yardstick():
-    logits = {"ok": False, "max_abs": 0.5, "cosine": 0.9922, "cosine_to_float32": 0.9788,
-              "transformers_cosine_to_float32": 0.9927}
-    row = {"family": "qwen3.5-moe", "size": "tiny", "logits": logits, "spec": {"ok": True, "first_difference": None}}
-    assert families.notes(row) == ["qwen3.5-moe tiny logits: cosine 0.992200 to transformers; to transformers in "
-                                   "float32: ours 0.978800, its own 0.992700"]
-    assert families.table_row(row)[2:7] == ["NO", "5.00e-01", "0.992200", "yes", "-"]
+@pytest.mark.parametrize("family,ok,cosines,verdict", [
+    ("qwen3.5-moe", False, (0.9922, 0.9788, 0.9927), "NO"),  # failed
+    ("qwen3.5", True, (0.9987, 0.9995, 0.9986), "yes"),  # passed as rounding no worse than transformers
+])
+def test_a_logits_check_the_cosine_alone_does_not_pass_is_shown_with_its_float32_yardstick(family, ok, cosines,
+                                                                                           verdict):
+    similar, ours, its_own = cosines
+    logits = {"ok": ok, "max_abs": 0.5, "cosine": similar, "cosine_to_float32": ours,
+              "transformers_cosine_to_float32": its_own}
+    row = {"family": family, "size": "tiny", "logits": logits, "spec": {"ok": True, "first_difference": None}}
+    assert families.notes(row) == [f"{family} tiny logits: cosine {similar:.6f} to transformers; to transformers in "
+                                   f"float32: ours {ours:.6f}, its own {its_own:.6f}"]
+    assert families.table_row(row)[2:7] == [verdict, "5.00e-01", f"{similar:.6f}", "yes", "-"]
 
 
 def test_16_bit_logits_pass_near_transformers_or_rounding_about_as_well_as_it():
@@ -46,15 +52,6 @@ def test_16_bit_logits_pass_near_transformers_or_rounding_about_as_well_as_it():
     assert not families.logits_pass(result(0.9922, 0.9788, 0.9927), torch.float16)  # further from float32
     assert families.logits_pass(result(0.9971, 0.9956, 0.9966), torch.bfloat16)  # 1.3x its distance: chance flips
     assert not families.logits_pass(result(1.0, 1.0, 1.0, max_abs=1e-3), torch.float32)  # float32: max abs only
-
-
-def test_a_logits_check_passed_as_rounding_no_worse_is_shown_with_its_yardstick():
-    logits = {"ok": True, "max_abs": 0.15, "cosine": 0.9987, "cosine_to_float32": 0.9995,
-              "transformers_cosine_to_float32": 0.9986}
-    row = {"family": "qwen3.5", "size": "tiny", "logits": logits, "spec": {"ok": True, "first_difference": None}}
-    assert families.notes(row) == ["qwen3.5 tiny logits: cosine 0.998700 to transformers; to transformers in "
-                                   "float32: ours 0.999500, its own 0.998600"]
-    assert families.table_row(row)[2] == "yes"
 
 
 def test_a_check_that_raises_is_a_failed_row(monkeypatch, tmp_path, capsys):
