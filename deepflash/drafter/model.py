@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.config import SHIPPED
 from ..models.layers import (MLP, FusedProjections, Pending, RMSNorm, Rotary, apply_rotary, attention, embedding_rows,
-                             final_norm, fuse_linears, norm_linear, output_projection, read_by_torch_gemm)
+                             final_norm, fuse_linears, linear_rows, norm_linear, read_by_torch_gemm)
 from .config import DrafterConfig
 
 
@@ -111,7 +112,7 @@ class DrafterAttention(nn.Module):
         q = rope_and_write(qkv, cos, sin, ring.slots, ring.k_ring, ring.v_ring, self.heads,
                            self.kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = decode_attention(q, ring.k_ring, ring.v_ring, ring.last, ring.span)
-        return output_projection(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
+        return linear_rows(out.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight, self.o_proj.bias, SHIPPED)
 
 
 class DrafterLayer(nn.Module):

@@ -89,17 +89,6 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor, 
     return gemv.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total, tiling)
 
 
-def output_projection(proj: nn.Linear, x: torch.Tensor, tiling: ProjectionTiling = SHIPPED.projections
-                      ) -> torch.Tensor:
-    """proj(x) for an attention output on the Triton kernels: for a decode or verify step's few rows
-    kernels/gemv.py linear (a dependent launch like the kernels around it), else torch's GEMM."""
-    from ..kernels import gemv  # imports Triton: only where it is used
-
-    if gemv.fits(x, proj.weight, tiling):
-        return gemv.linear(x, proj.weight, proj.bias, tiling)
-    return proj(x)
-
-
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig | None
                 ) -> torch.Tensor:
     """x @ weight.T + bias: with the kernels on, for a decode or verify step's few rows kernels/gemv.py
@@ -402,11 +391,15 @@ class Router(nn.Module):
         self.normalize = normalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        return self.choose(F.linear(x, self.weight), x.dtype)
+
+    def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts, weights in `dtype`) of router logits computed by the caller."""
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+        return experts, weights.to(dtype)
 
 
 class SparseMoe(nn.Module):

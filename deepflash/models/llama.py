@@ -14,7 +14,7 @@ from .base import TargetModel
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fuse_linears,
-                     fused_norm, norm_linear, output_projection, read_by_torch_gemm)
+                     fused_norm, linear_rows, norm_linear, read_by_torch_gemm)
 
 
 class Attention(nn.Module):
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(layer, kv_len)
             out = attention(q, keys, values, mask)
-        return output_projection(self.o_proj, out.transpose(1, 2).reshape(b, t, -1), kernels.projections)
+        return linear_rows(out.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight, self.o_proj.bias, kernels)
 
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape

@@ -135,14 +135,8 @@ class SharedExpertMoe(SparseMoe):
 
     def _route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's (experts, weights) of rows [N, H], its logits on kernels/gemv.py for a step's few rows
-        when the kernels are on (layers.linear_rows): the Router's softmax, top-k and renormalisation on
-        them. Softmax and top-k take each row alone (one warp a row for up to 1024 experts)."""
-        if self.kernels is None:
-            return self.gate(flat)
-        probs = linear_rows(flat, self.gate.weight, None, self.kernels).softmax(dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.gate.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)  # Qwen3.5 always renormalises (normalize=True)
-        return experts, weights.to(flat.dtype)
+        when the kernels are on (layers.linear_rows). Softmax and top-k take each row alone."""
+        return self.gate.choose(linear_rows(flat, self.gate.weight, None, self.kernels), flat.dtype)
 
 
 class DecoderLayer(nn.Module):
