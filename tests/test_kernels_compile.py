@@ -16,8 +16,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 @pytest.mark.parametrize("kernels,binaries", [("rings", 40), ("model", 50)])
 def test_triton_kernels_compile_for_sm90(kernels, binaries):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_kernels.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the script runs from tests/: deepflash is the checkout's, not whichever an installed finder names
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(script.parent.parent), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, str(script), kernels], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(done.stdout.splitlines()) == binaries, done.stdout

@@ -11,6 +11,7 @@ from deepflash.errors import NotFound, UserError
 from deepflash.loading import gguf as gguf_files
 from deepflash.loading import weights
 from deepflash.loading.targets import load_target
+from deepflash.quant.weight import QuantizedWeight
 
 
 def tiny_hf_llama():
@@ -80,19 +81,43 @@ def write_llama_gguf(path, hf):
     w.close()
 
 
-def test_gguf_converts_once_and_matches(tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["quantized", "dequantized"])
+def test_gguf_loads_kept_quantized_or_dequantized_and_matches(tmp_path, monkeypatch, weights):
+    """Its folder (config, tokenizer) is written once; the Q8_0 matrices stay in their blocks or are
+    dequantized, with the same logits either way."""
     monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
     hf = tiny_hf_llama()
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, hf)
-    ours, folder = load_target(str(path))
-    assert folder.parent == tmp_path / "cache" / "gguf"
+    ours, folder = load_target(str(path), gguf_weights=weights)
+    assert folder.parent == tmp_path / "cache" / "gguf" and not (folder / "model.safetensors").exists()
+    kept = isinstance(ours.model.layers[0].self_attn.q_proj.weight, QuantizedWeight)
+    assert kept == (weights == "quantized")
     ids = torch.arange(12)[None]
     with torch.no_grad():
         diff = (ours(ids, torch.arange(12), ours.new_cache(1, 16))[0] - hf(ids).logits).abs().max()
     assert diff < 0.05  # Q8_0 weights; a wrong q/k permutation gives O(1) differences
-    monkeypatch.setattr(gguf_files, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
-    load_target(str(path))
+    monkeypatch.setattr(gguf_files, "_write_header", lambda *a: pytest.fail("written twice"))
+    other, _ = load_target(str(path), gguf_weights="dequantized" if kept else "quantized")
+    with torch.no_grad():
+        again = other(ids, torch.arange(12), other.new_cache(1, 16))[0]
+        torch.testing.assert_close(again, ours(ids, torch.arange(12), ours.new_cache(1, 16))[0])
+
+
+def test_gguf_type_not_kept_quantized_is_refused_in_one_line(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "iq.gguf"
+    write_llama_gguf(path, tiny_hf_llama())
+    reader = gguf.GGUFReader(str(path))
+    at = next(i for i, t in enumerate(reader.tensors) if t.name == "blk.0.attn_q.weight")
+    # a type the loader cannot keep: relabel one tensor of the read header (its bytes are never read)
+    reader.tensors[at] = reader.tensors[at]._replace(tensor_type=gguf.GGMLQuantizationType.IQ4_XS)
+    monkeypatch.setattr(gguf_files, "_read_gguf", lambda _: reader)
+    with pytest.raises(UserError, match=r"^GGUF tensor blk\.0\.attn_q\.weight is IQ4_XS, which is not kept "
+                                        r"quantized \(supported: Q8_0, .*\); load it with --dequantize$"):
+        load_target(str(path), gguf_weights="quantized")
 
 
 def test_gguf_conversion_finished_by_another_process_meanwhile(tmp_path, monkeypatch):
@@ -101,7 +126,7 @@ def test_gguf_conversion_finished_by_another_process_meanwhile(tmp_path, monkeyp
     monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, tiny_hf_llama())
-    convert = gguf_files._convert_gguf
+    convert = gguf_files._write_header
 
     def convert_while_another_finishes(src, out):
         convert(src, out)
@@ -110,9 +135,9 @@ def test_gguf_conversion_finished_by_another_process_meanwhile(tmp_path, monkeyp
         convert(src, other)
         other.rename(out.with_name(out.name.rsplit(".tmp-", 1)[0]))
 
-    monkeypatch.setattr(gguf_files, "_convert_gguf", convert_while_another_finishes)
+    monkeypatch.setattr(gguf_files, "_write_header", convert_while_another_finishes)
     folder = gguf_files.gguf_folder(path)
-    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert (folder / "config.json").is_file()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
 
 

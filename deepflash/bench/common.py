@@ -43,6 +43,16 @@ def graph_seconds(fn, calls: int = 20, replays: int = 10) -> float:
     return begin.elapsed_time(end) / 1e3 / (calls * replays)
 
 
+def forward_seconds(target, tokens: int, context: int) -> float:
+    """Device seconds of the target's forward of `tokens` new tokens after context - tokens cached ones, as a
+    CUDA graph (graph_seconds): the target alone, no sampling or host work."""
+    device = target.device
+    cache = target.new_cache(1, context)
+    ids = torch.randint(2, target.cfg.vocab_size, (1, tokens), device=device)
+    positions = torch.arange(context - tokens, context, device=device)
+    return graph_seconds(lambda: target(ids, positions, cache, context), calls=5, replays=5)
+
+
 def copy_bandwidth(device: torch.device, megabytes: int = 2048, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (the ceiling the
     brief's MBU figures are relative to)."""

@@ -99,16 +99,17 @@ TINY_COMMON = dict(vocab_size=1024, hidden_size=64, num_attention_heads=4, num_k
 TINY_HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
 
 
-def family_shape(family: str, size: str) -> dict:
-    """The HF config dict of a family at a size (rope as transformers 5 writes it: rope_parameters)."""
+def family_shape(family: str, size: str, layers: int = LAYERS) -> dict:
+    """The HF config dict of a family at a size and depth (a multiple of 4; rope as transformers 5 writes it:
+    rope_parameters)."""
     hybrid = family.startswith("qwen3.5")
     shape = dict(WIDE[family]) if size == "wide" else {**TINY_COMMON, **(TINY_HYBRID if hybrid else {}),
                                                        **TINY[family]}
     rope = dict(rope_type="default", rope_theta=shape.pop("rope_theta"))
     if hybrid:  # rope on a quarter of each head's dims, as in every Qwen3.5 / 3.6 config
         rope["partial_rotary_factor"] = 0.25
-        shape.update(layer_types=HYBRID_LAYERS * (LAYERS // 4), linear_conv_kernel_dim=4)
-    return dict(shape, num_hidden_layers=LAYERS, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        shape.update(layer_types=HYBRID_LAYERS * (layers // 4), linear_conv_kernel_dim=4)
+    return dict(shape, num_hidden_layers=layers, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 rope_parameters=rope)
 
 

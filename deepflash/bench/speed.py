@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..loading.tokenizer import word_tokenizer
 from ..models import init_random_, materialize, random_model
 from ..models.config import ModelConfig
-from .common import copy_bandwidth, environment, finish, sync, table
+from .common import copy_bandwidth, environment, finish, forward_seconds, sync, table
 from .prompts import depth_prompts, humaneval_messages
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -129,17 +129,65 @@ def qwen3_8b_mbu(device: torch.device, bandwidth: float, prompt_len: int = 256, 
     return {"decode_tok_per_s": stats["decode_tok_per_s"], "bytes_per_step": step_bytes, "mbu": mbu}
 
 
+# the seed's targets at their real widths, depth cut to fit one 80 GB GPU beside the engine's buffers:
+# (family of bench families, layers)
+WIDE_SHAPES = {"qwen3.5-27b": ("qwen3.5", 16), "qwen3.6-35b-a3b": ("qwen3.5-moe", 12),
+               "qwen3-30b-a3b": ("qwen3-moe", 16)}
+MBU_CONTEXT = 512  # tokens of context when a wide shape's steps are timed
+BLOCK = 16  # the verify block of the wide shapes (the random drafter's)
+
+
+def wide_shape_mbu(name: str, device: torch.device, bandwidth: float) -> dict:
+    """A wide shape's random bf16 target on the kernels `auto` picks: its decode and 16-token verify forwards
+    alone (CUDA graphs at MBU_CONTEXT), MBU on the bytes a decode step reads (routed experts only for MoE),
+    and a DFlash step's draft and verify with a random drafter (the engine's own steps)."""
+    from .depth import step_row
+    from .families import family_shape, random_drafter_for
+
+    family, layers = WIDE_SHAPES[name]
+    target = random_target(family_shape(family, "wide", layers), device).use_kernels("auto")
+    decode_s, verify_s = forward_seconds(target, 1, MBU_CONTEXT), forward_seconds(target, BLOCK, MBU_CONTEXT)
+    step_bytes = target.decode_weight_bytes() + MBU_CONTEXT * target.kv_bytes_per_token()
+    engine = Engine(target, word_tokenizer(target.cfg.vocab_size), random_drafter_for(target),
+                    config=EngineConfig(spec="on", max_ctx=2 * MBU_CONTEXT))
+    dflash = step_row(engine, MBU_CONTEXT, BLOCK)
+    del engine, target
+    torch.cuda.empty_cache()
+    return {"layers": layers, "decode_ms": decode_s * 1e3, "decode_tok_per_s": 1 / decode_s, "bytes_per_step": step_bytes,
+            "mbu": step_bytes / decode_s / (bandwidth * 1e9), "verify_ms": verify_s * 1e3,
+            "verify_over_decode": verify_s / decode_s, "dflash_draft_ms": dflash["draft_ms"],
+            "dflash_verify_ms": dflash["verify_ms"],
+            "dflash_step_over_decode": (dflash["draft_ms"] + dflash["verify_ms"]) / (decode_s * 1e3)}
+
+
+def mbu_part(args, device: torch.device, bandwidth: float) -> dict:
+    if args.shape != "qwen3-8b":
+        if device.type != "cuda":
+            raise UserError("the wide shapes' MBU times CUDA graphs: it needs a CUDA device")
+        result = wide_shape_mbu(args.shape, device, bandwidth)
+        table(f"{args.shape}-shaped random bf16 target ({result['layers']} layers), {MBU_CONTEXT} tokens of context",
+              ["decode ms", "tok/s", "MBU", "verify/decode", "DFlash step/decode"],
+              [[result["decode_ms"], result["decode_tok_per_s"], result["mbu"], result["verify_over_decode"],
+                result["dflash_step_over_decode"]]])
+        return finish({"bench": "speed", "part": "mbu", "shape": args.shape, **environment(device),
+                       "copy_bandwidth_gb_s": bandwidth, "context": MBU_CONTEXT, "results": {args.shape: result}},
+                      args.out)
+    results = {"qwen3-8b-shaped plain decode": qwen3_8b_mbu(device, bandwidth)}
+    if device.type == "cuda":  # the default there is Triton's kernels
+        results["qwen3-8b-shaped plain decode" + TORCH_KERNELS] = qwen3_8b_mbu(device, bandwidth, kernels="torch")
+    table("Qwen3-8B-shaped random bf16 target, plain decode", ["system", "tok/s", "bytes/step", "MBU"],
+          [[name, r["decode_tok_per_s"], r["bytes_per_step"], r["mbu"]] for name, r in results.items()])
+    return finish({"bench": "speed", "part": "mbu", **environment(device), "copy_bandwidth_gb_s": bandwidth,
+                   "results": results}, args.out)
+
+
 def run(args) -> dict:
     device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device)
     if args.part == "mbu":
-        results = {"qwen3-8b-shaped plain decode": qwen3_8b_mbu(device, bandwidth)}
-        if device.type == "cuda":  # the default there is Triton's kernels
-            results["qwen3-8b-shaped plain decode" + TORCH_KERNELS] = qwen3_8b_mbu(device, bandwidth, kernels="torch")
-        table("Qwen3-8B-shaped random bf16 target, plain decode", ["system", "tok/s", "bytes/step", "MBU"],
-              [[name, r["decode_tok_per_s"], r["bytes_per_step"], r["mbu"]] for name, r in results.items()])
-        return finish({"bench": "speed", "part": "mbu", **environment(device), "copy_bandwidth_gb_s": bandwidth,
-                       "results": results}, args.out)
+        return mbu_part(args, device, bandwidth)
+    if args.shape != "qwen3-8b":
+        raise UserError("--shape chooses the model of --part mbu")
     rt = load_runtime(EngineConfig(model=args.model, draft=args.draft, device=args.device))
     if rt.drafter is None:
         raise UserError("bench speed needs a drafter (the embedded model ships one; else pass --draft)")
@@ -187,9 +235,12 @@ def run(args) -> dict:
     if wanted & set(transformers_runs):
         from transformers import AutoModelForCausalLM
 
-        from ..loading.weights import resolve_model
+        from ..loading.weights import gguf_file, resolve_model
 
-        hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=target.dtype).to(device)
+        gguf = gguf_file(args.model)  # transformers dequantizes a GGUF file itself
+        source = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name} if gguf else {
+            "pretrained_model_name_or_path": str(resolve_model(args.model))}
+        hf = AutoModelForCausalLM.from_pretrained(**source, dtype=target.dtype).to(device)
         for name, kwargs in transformers_runs.items():
             if name in wanted:
                 attempt(name, lambda: run_transformers(hf, prompts, max_new, **kwargs))
@@ -240,6 +291,8 @@ def register(sub) -> None:
     p.add_argument("--systems", help="comma list of the systems' names as the table shows them (default: all); "
                                      "our plain decode always runs")
     p.add_argument("--part", default="all", choices=["all", "engines", "mbu"],
-                   help="engines: the embedded pair and transformers; mbu: the Qwen3-8B-shaped model only")
+                   help="engines: the embedded pair and transformers; mbu: the --shape model only")
+    p.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", *WIDE_SHAPES],
+                   help="the random bf16 target of --part mbu (the wide ones with fewer layers, the DFlash step too)")
     p.add_argument("--out", help="JSON file")
     p.set_defaults(func=run)

@@ -34,6 +34,7 @@ class EngineConfig:
     ring_kernels: str = "auto"  # feature-ring encode/decode: auto (Triton on CUDA), torch, triton
     target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels
     rope_scaling: str | None = None  # 'yarn:FACTOR': positions past the model's native window (ModelConfig)
+    gguf_weights: str = "auto"  # a GGUF target's matrices: auto, quantized, dequantized (loading.targets.keeps_quantized)
     prefill_chunk: int = 1024  # prompt tokens per prefill forward (a power of two)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
     prefix_cache: bool = False  # reuse KV, states and features across requests (engine/prefix_cache.py; serve: on)
@@ -43,6 +44,7 @@ class EngineConfig:
 
     def validated(self) -> EngineConfig:
         from ..drafter.features import RING_KERNELS
+        from ..loading.targets import GGUF_WEIGHTS
         from ..kernels.row_formats import FORMATS
         from ..models.base import TARGET_KERNELS
 
@@ -62,6 +64,8 @@ class EngineConfig:
             raise UserError(f"--ring-kernels must be one of {', '.join(RING_KERNELS)}, got {self.ring_kernels!r}")
         if self.target_kernels not in TARGET_KERNELS:
             raise UserError(f"--target-kernels must be one of {', '.join(TARGET_KERNELS)}, got {self.target_kernels!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise UserError(f"GGUF weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.trained_ctx is not None and self.trained_ctx < 1:
             raise UserError(f"--trained-ctx must be >= 1, got {self.trained_ctx}")
         if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):

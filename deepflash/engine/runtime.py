@@ -67,7 +67,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     cfg = cfg.validated()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    target, folder = load_target(cfg.model, device, dtype, cfg.rope_scaling)
+    target, folder = load_target(cfg.model, device, dtype, cfg.rope_scaling, cfg.gguf_weights)
     tokenizer = load_tokenizer(folder)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
     drafter = load_drafter(draft_path, device, dtype) if draft_path else None
@@ -98,7 +98,8 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     """The pair built on the meta device from configs alone (memory plans without reading weights)."""
     from ..drafter.checkpoint import resolve_drafter
     from ..drafter.config import DrafterConfig
-    from ..loading.weights import read_config, resolve_model
+    from ..loading.targets import keeps_quantized
+    from ..loading.weights import gguf_file, read_config, resolve_model
     from ..models import model_class
 
     device = resolve_device(cfg.device)
@@ -107,8 +108,12 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     if cfg.rope_scaling:
         tcfg = tcfg.with_rope_scaling(cfg.rope_scaling)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
+    if gguf_file(cfg.model) is not None:  # its tensor types decide the weights' bytes: read the header
+        weights = "quantized" if keeps_quantized(cfg.gguf_weights, device) else "dequantized"
+        target = load_target(cfg.model, "meta", dtype, cfg.rope_scaling, weights)[0]
     with torch.device("meta"):
-        target = model_class(tcfg)(tcfg).to(dtype)
+        if gguf_file(cfg.model) is None:
+            target = model_class(tcfg)(tcfg).to(dtype)
         drafter = None
         if draft_path:
             dcfg = DrafterConfig.from_hf(read_config(resolve_drafter(str(draft_path))))
@@ -131,6 +136,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-scaling", metavar="yarn:FACTOR",
                    help="stretch the target's rope with YaRN to FACTOR x its native window, so that --max-ctx may go "
                         "past max_position_embeddings (quality out there is the model's; default: the checkpoint's)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="convert a GGUF target's quantized matrices to --dtype at load (default: on CUDA they stay in "
+                        "their blocks, read by Triton kernels; on the CPU they are always converted)")
     g.add_argument("--feature-dtype", default="auto", choices=["auto", *FORMATS],
                    help="the drafter mirror's feature storage (auto: the target's dtype, lossless)")
     g.add_argument("--feat-ring-cap", type=int,
@@ -164,5 +172,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=cap, trained_ctx=args.trained_ctx,
                         spec=args.spec, prefill_chunk=args.prefill_chunk, rope_scaling=args.rope_scaling,
+                        gguf_weights="dequantized" if args.dequantize else "auto",
                         ring_kernels=args.ring_kernels,
                         target_kernels=args.target_kernels).validated()

@@ -9,7 +9,9 @@ import torch
 from ..errors import UserError
 from ..models import TargetModel, materialize, model_class
 from ..models.config import ModelConfig
-from .weights import fuse_experts, load_tensors, read_config, resolve_model, safetensors_files
+from ..quant.weight import QuantizedWeight, quantize_modules
+from .gguf import gguf_state
+from .weights import fuse_experts, gguf_file, load_tensors, read_config, resolve_model, safetensors_files
 
 
 def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> TargetModel:
@@ -22,9 +24,15 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
     state.clear()
     with torch.device("meta"):
         model = cls(cfg).to(dtype)
+    # quantized weights take the places of their layers; those of other places (a router's) are dequantized
+    quantized = {k: named.pop(k) for k in [k for k, v in named.items() if isinstance(v, QuantizedWeight)]}
+    named.update({k: w.dequantize(dtype) for k, w in quantize_modules(model, quantized).items()})
     named = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in named.items()}
     missing, unexpected = model.load_state_dict(named, strict=False, assign=True)
     named.clear()
+    held = {f"{name}.{buffer}" for name, module in model.named_modules(remove_duplicate=False)
+            if isinstance(module, QuantizedWeight) for buffer, _ in module.named_buffers()}
+    missing = [k for k in missing if k not in held]
     if missing or unexpected:
         raise UserError(
             f"checkpoint does not match the {cfg.model_type} architecture: "
@@ -34,15 +42,34 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
     return materialize(model, device).fuse_projections().eval().requires_grad_(False)
 
 
-def load_target(spec: str | None, device="cpu", dtype=torch.float32,
-                rope_scaling: str | None = None) -> tuple[TargetModel, Path]:
+GGUF_WEIGHTS = ("auto", "quantized", "dequantized")  # load_target's gguf_weights
+
+
+def keeps_quantized(gguf_weights: str, device) -> bool:
+    """Whether a GGUF target's matrices stay in their blocks: 'auto' keeps them on CUDA, where the Triton
+    kernels read them (kernels/quant_gemv.py); on the CPU no kernel does, and every step would
+    dequantize every weight."""
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise UserError(f"GGUF weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}")
+    if gguf_weights == "auto":
+        return torch.device(device).type == "cuda"
+    return gguf_weights == "quantized"
+
+
+def load_target(spec: str | None, device="cpu", dtype=torch.float32, rope_scaling: str | None = None,
+                gguf_weights: str = "auto") -> tuple[TargetModel, Path]:
     """Load a target from a folder, .gguf file, hub id or the embedded default (None); rope_scaling:
-    ModelConfig.with_rope_scaling's 'yarn:FACTOR'."""
+    ModelConfig.with_rope_scaling's 'yarn:FACTOR'; gguf_weights: a GGUF target's matrices 'quantized' (kept
+    in their blocks), 'dequantized' (to `dtype` at load) or 'auto' (keeps_quantized). On the meta device
+    nothing is read (memory plans)."""
     folder = resolve_model(spec)
     cfg = ModelConfig.from_hf(read_config(folder))
     if rope_scaling:
         cfg = cfg.with_rope_scaling(rope_scaling)
     model_class(cfg)  # fail on an unsupported architecture before reading gigabytes
-    state = load_tensors(safetensors_files(folder), device, dtype)
+    if (gguf := gguf_file(spec)) is not None:
+        state = gguf_state(gguf, read_config(folder), device, dtype, keeps_quantized(gguf_weights, device))
+    else:
+        state = load_tensors(safetensors_files(folder), device, dtype)
     return build_from_state(cfg, state, device, dtype), folder
 

@@ -1,7 +1,7 @@
 """Finding and loading weights: HF folders (sharded too), GGUF files, hub ids and the embedded default.
 
-A GGUF file is dequantized once (through the `gguf` package) into an HF-style folder under the user
-cache (config.json + model.safetensors + tokenizer files), so the second load is a plain safetensors read.
+A GGUF file gets an HF-style folder under the user cache once (config.json + tokenizer files: gguf.py);
+its tensors are read from the file at each load (gguf.gguf_state).
 """
 
 from __future__ import annotations
@@ -31,13 +31,20 @@ def embedded_gguf() -> Path:
     return hits[0]
 
 
-def resolve_model(spec: str | None) -> Path:
-    """A folder holding config.json + weights (+ tokenizer) for `spec`: None (embedded), a path or a hub id."""
+def gguf_file(spec: str | None) -> Path | None:
+    """The GGUF file `spec` names (None and 'default': the embedded one), else None."""
     if spec is None or spec == "default":
-        return gguf_folder(embedded_gguf())
+        return embedded_gguf()
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_folder(path)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_model(spec: str | None) -> Path:
+    """A folder holding config.json (+ tokenizer) for `spec`: None (embedded), a path or a hub id. A GGUF
+    file's folder (gguf_folder) holds no weights: they are read from the file."""
+    if (gguf := gguf_file(spec)) is not None:
+        return gguf_folder(gguf)
+    path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file")

@@ -6,6 +6,7 @@ import torch
 
 from ..errors import UserError
 from ..kernels.config import SHIPPED, KernelConfig
+from ..quant.weight import QuantizedLinear, QuantizedWeight, stored_bytes, stored_elements, tensor_bytes
 from .config import ModelConfig
 from .layers import DECODE, FusedProjections, embedding_rows, final_norm, forward_mask, tap
 
@@ -75,8 +76,13 @@ class TargetModel(FusedProjections):
         return forward_mask(positions, kv_len, key_mask, self.cfg.num_heads // self.cfg.num_kv_heads, dtype)
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not self.cfg.tie_word_embeddings:
+            return
+        table = self.model.embed_tokens.weight
+        if isinstance(table, QuantizedWeight):  # the head reads the table's blocks
+            self.lm_head = QuantizedLinear(table)
+        else:
+            self.lm_head.weight = table
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,10 +126,11 @@ class TargetModel(FusedProjections):
 
     # --- cost accounting (memory plan, MBU in the benchmarks) ---------------------------------------
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of the weights as stored (quantized blocks as their bytes)."""
+        return stored_bytes(self)
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return stored_elements(self)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of KV cache one position occupies (all attention layers, K and V)."""
@@ -145,9 +152,8 @@ class TargetModel(FusedProjections):
         """Weight bytes one decode step reads: everything but the embedding table (one row is read), and
         for MoE only the experts a token is routed to. A tied lm_head reads the full table anyway."""
         total = self.weight_bytes()
-        emb = self.model.embed_tokens.weight
         if not self.cfg.tie_word_embeddings:
-            total -= emb.numel() * emb.element_size()
+            total -= tensor_bytes(self.model.embed_tokens.weight)
         cfg = self.cfg
         if cfg.num_experts:
             unused = 1 - cfg.num_experts_per_tok / cfg.num_experts
@@ -158,5 +164,11 @@ class TargetModel(FusedProjections):
 
     def flops_per_token(self) -> int:
         """2 x the parameters a token multiplies with (attention over the context excluded)."""
-        active = self.decode_weight_bytes() // self.dtype.itemsize
+        active = self.parameter_count()
+        if not self.cfg.tie_word_embeddings:
+            active -= self.model.embed_tokens.weight.numel()
+        cfg = self.cfg
+        if cfg.num_experts:
+            unused = 1 - cfg.num_experts_per_tok / cfg.num_experts
+            active -= sum(int(p.numel() * unused) for name, p in self.named_parameters() if ".experts." in name)
         return 2 * active

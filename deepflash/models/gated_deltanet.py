@@ -117,8 +117,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(shape.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(shape.value_width, hidden, bias=False)
         self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
-        # the Triton recurrence alone, the rest on torch's forms (Qwen35Model.use_kernels under "auto")
-        self.recurrence: KernelConfig | None = None
 
     def forward(self, x: torch.Tensor, cache, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H]; live [B, T] is False on left padding, whose zero inputs leave the state at zero."""
@@ -166,9 +164,8 @@ class GatedDeltaNet(nn.Module):
             cache.update(self.slot, window, state)
             return out
         q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
-        # on the kernels, a step's q/k rows are normalised as decode steps' are; the recurrence alone ("auto")
-        # keeps torch's norm
-        normalize = l2_normalize_rows if kernel is not None and self.kernels is not None else l2_normalize
+        # on the kernels, a step's q/k rows are normalised as decode steps' are
+        normalize = l2_normalize_rows if kernel is not None else l2_normalize
         q = normalize(q) / q.shape[-1] ** 0.5
         k = normalize(k)
         if kernel is not None:
@@ -181,9 +178,8 @@ class GatedDeltaNet(nn.Module):
         return out.transpose(1, 2)
 
     def _step_kernel(self, start: torch.Tensor, tokens: int):
-        """kernels/delta_rule.py where the kernels (or the recurrence alone) are on and this run fits it,
-        else None."""
-        if self.kernels is None and self.recurrence is None:
+        """kernels/delta_rule.py where the kernels are on and this run fits it, else None."""
+        if self.kernels is None:
             return None
         from ..kernels import delta_rule  # imports Triton: only where it is used
 

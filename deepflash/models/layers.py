@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.config import SHIPPED, KernelConfig, ProjectionTiling
+from ..quant.weight import QuantizedWeight
 from .config import RopeConfig
 from .kv_cache import hidden_keys
 
@@ -19,7 +20,9 @@ from .kv_cache import hidden_keys
 def embedding_rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """embedding(ids) as an indexing gather, which spreads the rows over the GPU: nn.Embedding's
     index_select kernel took 6.6 us for a 16-token block against 1.8 us for one token in the spec step's
-    profile (H200). The same rows, bit for bit."""
+    profile (H200). The same rows, bit for bit. A quantized table dequantizes the rows it reads."""
+    if isinstance(embedding.weight, QuantizedWeight):
+        return embedding.weight.take_rows(ids)
     return embedding.weight[ids]
 
 
@@ -79,9 +82,12 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor, 
                 tiling: ProjectionTiling = SHIPPED.projections) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, projection of the normed residual) of a fused layer's input: for a decode or verify
     step's few rows one kernel (kernels/gemv.py norm_linear: add, norm and GEMV), else fused_norm's
-    kernel and torch's GEMM."""
+    kernel and torch's GEMM. A quantized weight projects after fused_norm's kernel (QuantizedWeight.project)."""
     from ..kernels import gemv  # imports Triton: only where it is used
 
+    if isinstance(weight, QuantizedWeight):
+        residual, hidden = fused_norm(norm, x)
+        return residual, weight.project(hidden, bias, kernels=True)
     residual, delta, total = _parts(x)
     if not gemv.fits(residual, weight, tiling):
         residual, hidden = fused_norm(norm, x)
@@ -93,7 +99,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:
     """x @ weight.T + bias: with the kernels on, for a decode or verify step's few rows kernels/gemv.py
     linear, which gives a row the same bits whatever the number of rows (cuBLAS picks other kernels for 1
-    and 16 rows, so a verify step would round its tokens unlike decode steps); else torch's GEMM."""
+    and 16 rows, so a verify step would round its tokens unlike decode steps); else torch's GEMM. A
+    quantized weight projects itself (QuantizedWeight.project)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.project(x, bias, kernels is not None)
     if kernels is not None:
         from ..kernels import gemv  # imports Triton: only where it is used
 
@@ -235,13 +244,31 @@ def fuse_linears(*linears: nn.Linear, transposed: Callable[[torch.Tensor], bool]
     several: a decode step is bound by kernel launches and weight reads, and one larger GEMV does better
     on both. The linears' parameters become views into the fused tensors, so names, state_dict and
     weight accounting are unchanged and nothing is stored twice. Frozen (inference) models only:
-    gradients would reach the fused tensor, not the parameters. The fused weight takes gemm_layout."""
+    gradients would reach the fused tensor, not the parameters. The fused weight takes gemm_layout;
+    quantized ones join their blocks (QuantizedWeight.cat)."""
+    if isinstance(linears[0].weight, QuantizedWeight):
+        return _fuse_quantized(linears)
     weight = gemm_layout(torch.cat([m.weight.detach() for m in linears]), transposed)
     bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
     row = 0
     for m in linears:
         rows = m.weight.shape[0]
         m.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
+def _fuse_quantized(linears) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    """fuse_linears for QuantizedLinear members: their blocks joined, each member's weight a view of its rows."""
+    weight = QuantizedWeight.cat([m.weight for m in linears])
+    biases = [m.bias for m in linears]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = weight.row_slice(row, row + rows)
         if bias is not None:
             m.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
         row += rows
@@ -303,17 +330,21 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.kernels is not None:
             return self.down(linear_rows(x, *self.gate_up, self.kernels), self.kernels.projections)
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        gate, up = linear_rows(x, *self.gate_up, None).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def down(self, gate_up: torch.Tensor, tiling: ProjectionTiling = SHIPPED.projections) -> torch.Tensor:
         """down_proj(silu(gate) * up) of the fused gate/up output on the Triton kernels: for a decode or
-        verify step's few rows one kernel (kernels/gemv.py silu_linear), else silu_mul's and torch's GEMM."""
+        verify step's few rows one kernel (kernels/gemv.py silu_linear), else silu_mul's and torch's GEMM
+        (a quantized weight: silu_mul's and QuantizedWeight.project)."""
         from ..kernels import gemv
         from ..kernels.layer_ops import silu_mul
 
-        if gemv.fits(gate_up, self.down_proj.weight, tiling):
-            return gemv.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias, tiling)
+        weight, bias = self.down_proj.weight, self.down_proj.bias
+        if isinstance(weight, QuantizedWeight):
+            return weight.project(silu_mul(gate_up), bias, kernels=True)
+        if gemv.fits(gate_up, weight, tiling):
+            return gemv.silu_linear(gate_up, weight, bias, tiling)
         return self.down_proj(silu_mul(gate_up))
 
 

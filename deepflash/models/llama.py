@@ -6,7 +6,6 @@ Parameter names equal the transformers checkpoint names, so a state dict loads w
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.config import KernelConfig
@@ -60,7 +59,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, mask):
         b, t, _ = x.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        qk, v = F.linear(x, *self.qkv).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+        qk, v = linear_rows(x, *self.qkv, None).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
         qk = qk.view(b, t, heads + kv_heads, dim)
         v = v.view(b, t, kv_heads, dim)
         if self.qk_norm:

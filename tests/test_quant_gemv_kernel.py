@@ -1,0 +1,220 @@
+"""The Triton projection by GGUF-quantized blocks (kernels/quant_gemv.py) against gguf.quants.dequantize and a
+float32 product, for every format it takes: every dequantized weight bit for bit, bf16 and float32 rows, a bias,
+3-D rows, a split reduction, the GPU's products, a row's result the same bits whatever the number of rows in the
+call, split or not, and a quantized target's greedy contract on the kernel (on the CPU in Triton's interpreter: helpers.triton_device)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from helpers import triton_device
+
+from deepflash.kernels import quant_gemv
+
+DEVICE = triton_device()
+T = gguf.GGMLQuantizationType
+FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+# byte offsets of each block's float16 fields (d, and m / dmin where there is one)
+HALVES = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q2_K: (80, 82),
+          T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(qtype, n: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, row bytes]: random bytes with each block's float16 fields set to modest finite values
+    (weights of about 0.01-1)."""
+    qk, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n, cols // qk, nbytes), dtype=torch.uint8, generator=gen)
+    scale = 0.05 if qk == 32 else 0.005  # k-quants multiply d by a sub-block scale of up to 63
+    for off in HALVES[qtype]:
+        half = ((torch.rand(n, cols // qk, generator=gen) * 2 - 1) * scale).to(torch.float16)
+        data[:, :, off:off + 2] = half.view(torch.uint8).reshape(n, cols // qk, 2)
+    return data.reshape(n, -1)
+
+
+def reference_weight(blocks: torch.Tensor, qtype) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks.numpy(), qtype).astype(np.float32))
+
+
+def rows(count: int, cols: int, dtype, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(count, cols, generator=gen).to(dtype)
+
+
+def run(x, blocks, qtype, cols, bias=None, slices=None, tile=None, upcast=None):
+    """The kernel's product on DEVICE: linear's tiling unless `tile`, its split unless `slices` (forced)."""
+    tile = tile or quant_gemv.tiling(int(qtype), x.dtype)
+    upcast = quant_gemv.INTERPRETED if upcast is None else upcast
+    return quant_gemv._launch(x.to(DEVICE), blocks.to(DEVICE), int(qtype), cols, None if bias is None else bias.to(DEVICE),
+                        tile, upcast, slices).cpu()
+
+
+def columns(qtype) -> int:
+    """Columns of the small weights: 2 steps (the 32-column formats: 11 blocks, the second step of 8 partial)."""
+    return 512 if qtype in K_QUANTS else 352
+
+
+def test_api():
+    assert sorted(quant_gemv.SUPPORTED) == sorted(int(t) for t in FORMATS)
+    for t in FORMATS:
+        assert quant_gemv.BLOCKS[int(t)] == gguf.GGML_QUANT_SIZES[t], t.name
+    assert quant_gemv.fits(torch.zeros(1, 64, dtype=torch.bfloat16))
+    assert quant_gemv.fits(torch.zeros(16, 64, dtype=torch.bfloat16))
+    assert quant_gemv.fits(torch.zeros(2, 8, 64, dtype=torch.float32))
+    assert not quant_gemv.fits(torch.zeros(17, 64, dtype=torch.bfloat16))
+    assert not quant_gemv.fits(torch.zeros(1, 64, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_every_weight_dequantizes_as_gguf_does(qtype):
+    """One-hot float32 rows pick every column of a weight out exactly (16 a call, every other call with the
+    reduction split in 2): equal to gguf's dequantization bit for bit. 40 rows: a partial tile. bf16 rows
+    get the weights rounded to bf16 to nearest (the interpreter's conversion truncates)."""
+    n, cols = 40, columns(qtype)
+    blocks = random_blocks(qtype, n, cols, seed=int(qtype))
+    weight = reference_weight(blocks, qtype)
+    eye = torch.eye(cols)
+    for i, c0 in enumerate(range(0, cols, 16)):
+        got = run(eye[c0:c0 + 16], blocks, qtype, cols, slices=2 if i % 2 else None)
+        assert torch.equal(got.T, weight[:, c0:c0 + 16]), c0
+    picked = torch.arange(16) * (cols // 16) + (torch.arange(16) * 11) % (cols // 16)
+    got = run(eye[picked].to(torch.bfloat16), blocks, qtype, cols)
+    assert torch.equal(got.T, weight[:, picked].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_kernel_matches_dequantize_then_product(qtype, dtype):
+    """5 rows (3-D for half the formats), a bias for some: the float32 product of the weights rounded to the
+    rows' dtype."""
+    n, cols = 40, columns(qtype)
+    blocks = random_blocks(qtype, n, cols, seed=int(qtype))
+    weight = reference_weight(blocks, qtype)
+    x = rows(5, cols, dtype)
+    bias = torch.randn(n).to(dtype) if qtype in (T.Q4_K, T.Q5_0, T.Q6_K) else None
+    shape = (5, n) if FORMATS.index(qtype) % 2 else (1, 5, n)
+    got = quant_gemv.linear(x.reshape(*shape[:-1], cols).to(DEVICE), blocks.to(DEVICE), int(qtype), cols,
+                      None if bias is None else bias.to(DEVICE)).cpu()
+    assert got.dtype == dtype and got.shape == shape
+    got = got.reshape(5, n)
+    plus = 0 if bias is None else bias.float()
+    exact = x.float() @ weight.T + plus  # the float32 weights
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+    else:  # the weights rounded to bf16, as a dequantize-to-bf16-then-GEMM would round them
+        rounded = x.float() @ weight.to(dtype).float().T + plus
+        torch.testing.assert_close(got.float(), rounded.to(dtype).float(), rtol=8e-3, atol=1e-2)
+        # against the float32 weights: the bf16 weights' error, under 2^-9 of each product
+        assert (got.float() - exact).abs().max() <= 2e-3 * (x.float().abs() @ weight.abs().T).max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q3_K, T.Q8_0, T.Q5_1], ids=lambda t: t.name)
+def test_a_split_reduction_adds_its_slices_in_order(qtype):
+    """A reduction of 4 steps split in 2, 3 (of 2, 2 steps: slices are whole and never empty) and 4 slices:
+    the float32 product within rounding of the whole reduction, the bias added once, and the arrival counters
+    back at zero for the next call."""
+    n, cols = 40, 1024 if qtype in K_QUANTS else 1024 - 32  # 31 blocks of 32: a partial last step
+    blocks = random_blocks(qtype, n, cols, seed=5)
+    weight = reference_weight(blocks, qtype)
+    x = rows(3, cols, torch.float32, seed=2)
+    bias = torch.randn(n)
+    want = x @ weight.T + bias
+    whole = run(x, blocks, qtype, cols, bias, slices=1)
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-4)
+    tile = quant_gemv.tiling(int(qtype), torch.float32)
+    for slices, expect in ((2, 2), (3, 2), (4, 4)):
+        assert quant_gemv.plan(int(qtype), n, cols, tile, 1, slices)[1:] == (4, expect, 4 // expect)
+        got = run(x, blocks, qtype, cols, bias, slices=slices)
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+        assert not quant_gemv.arrival_counters("quant_gemv", quant_gemv.MAX_BLOCKS, torch.device(DEVICE)).any()
+
+
+CASES = [(T.Q4_K, torch.bfloat16, None), (T.Q4_K, torch.bfloat16, 4), (T.Q6_K, torch.bfloat16, 3),
+         (T.Q8_0, torch.float32, None), (T.Q8_0, torch.float32, 4), (T.Q6_K, torch.float32, None)]
+
+
+@pytest.mark.parametrize("qtype, dtype, slices", CASES, ids=lambda c: getattr(c, "name", str(c)).replace("torch.", ""))
+def test_a_verified_row_is_computed_exactly_as_a_decoded_one(qtype, dtype, slices):
+    """A 16-row call (a verify step) gives each row the bits a 1-row call (a decode step) gives it, and a
+    3-row call the same again, with the reduction whole or split (4 steps)."""
+    n, cols = 32, 1024
+    blocks = random_blocks(qtype, n, cols)
+    bias = torch.randn(n).to(dtype)
+    x = rows(16, cols, dtype)
+    verify = run(x, blocks, qtype, cols, bias, slices)
+    for i in range(16):
+        assert torch.equal(run(x[i:i + 1], blocks, qtype, cols, bias, slices), verify[i:i + 1]), i
+    assert torch.equal(run(x[4:7], blocks, qtype, cols, bias, slices), verify[4:7])
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q2_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+def test_gpu_products(qtype):
+    """The GPU's tilings in the interpreter: tl.dot with the weights second and first (GPU_TILINGS' 32
+    rows a program, 8 blocks a step) and in "ieee" precision (FLOAT32_TILING), here with float32 rows (the
+    interpreter's bf16 tl.dot returns garbage; the GPU runs it with bf16), split in 2. 40 outputs end
+    inside a tile of 32; 11 blocks of 32 inside a step of 8."""
+    n, cols = 40, columns(qtype)
+    blocks = random_blocks(qtype, n, cols, seed=11)
+    weight = reference_weight(blocks, qtype)
+    bias = torch.randn(n)
+    x = rows(3, cols, torch.float32).reshape(1, 3, cols)
+    want = x @ weight.T + bias
+    gpu = quant_gemv.GPU_TILINGS[int(qtype)]
+    for tile in (gpu, quant_gemv.Tiling(gpu.block_n, gpu.blocks, gpu.warps, gpu.stages, gpu.waves, not gpu.weight_first),
+                 quant_gemv.FLOAT32_TILING):
+        got = run(x, blocks, qtype, cols, bias, slices=2, tile=tile, upcast=False)
+        assert got.shape == (1, 3, n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_split_comes_from_the_shape():
+    """Qwen3-8B's Q4_K_M decode weights on an H100's 132 SMs: weights of few row blocks split until there are
+    about `waves` (3) programs an SM (1.5-6: slices are whole steps), those with enough row blocks stay whole;
+    nothing depends on the number of rows (plan has no such argument)."""
+    sms = 132
+    for n, cols, fmt in ((4096, 4096, quant_gemv.Q4_K), (6144, 4096, quant_gemv.Q4_K), (4096, 12288, quant_gemv.Q6_K),
+                         (12288, 4096, quant_gemv.Q4_K), (24576, 4096, quant_gemv.Q4_K), (151936, 4096, quant_gemv.Q6_K),
+                         (1024, 4096, quant_gemv.Q4_K), (1024, 4096, quant_gemv.Q8_0)):
+        tile = quant_gemv.GPU_TILINGS[fmt]
+        _, steps, slices, per = quant_gemv.plan(fmt, n, cols, tile, sms)
+        row_blocks = -(-n // tile.block_n)
+        assert (slices - 1) * per < steps <= slices * per, (n, cols)  # whole, non-empty slices
+        programs = row_blocks * slices
+        if row_blocks >= tile.waves * sms:
+            assert slices == 1, (n, cols)
+        else:
+            assert 1.5 * sms <= programs <= 6 * sms, (n, cols, slices, programs)
+    assert quant_gemv.plan(quant_gemv.Q4_K, 4096, 4096, quant_gemv.GPU_TILINGS[quant_gemv.Q4_K], 1)[2] == 1  # the CPU: one slice
+
+
+def test_empty_and_bounds():
+    blocks = random_blocks(T.Q4_K, 8, 256)
+    assert run(torch.zeros(0, 256), blocks, T.Q4_K, 256).shape == (0, 8)
+    with pytest.raises(AssertionError):
+        quant_gemv.linear(torch.zeros(17, 256), blocks, int(T.Q4_K), 256)
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_quantized_target_on_the_kernels_keeps_the_greedy_contract(block):
+    """A tiny target kept in Q4_0 / Q5_1 blocks on the target kernels: its projections of a step's rows
+    through this kernel, speculative output equals plain output."""
+    from gguf import GGMLQuantizationType as T
+    from helpers import drafter_config, tiny_drafter, tiny_target, tiny_tokenizer
+
+    from deepflash.engine.config import EngineConfig
+    from deepflash.engine.engine import Engine
+    from deepflash.engine.sampling import SamplingParams
+    from deepflash.quant.gguf_blocks import block_format
+    from deepflash.quant.random_weights import quantize_random_
+
+    fmt_of = lambda name: block_format(T.Q5_1 if "v_proj" in name else T.Q4_0)  # noqa: E731
+    target = quantize_random_(tiny_target(dtype=torch.float32), fmt_of, scale=8.0).to(DEVICE)
+    drafter = tiny_drafter(drafter_config(target.cfg), dtype=torch.float32).to(DEVICE)
+    kernels = EngineConfig(target_kernels="triton")
+    params = SamplingParams(max_new_tokens=12)
+    plain = Engine(target, tiny_tokenizer(), config=kernels).complete([5, 6, 7], params)
+    spec = Engine(target, tiny_tokenizer(), drafter, config=EngineConfig(spec="on", target_kernels="triton",
+                                                                          block_size=block)).complete([5, 6, 7], params)
+    assert spec.token_ids == plain.token_ids
