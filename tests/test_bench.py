@@ -207,3 +207,20 @@ def test_agent_turns_compare_the_cached_engine_with_a_cold_one():
         computed, cold_computed = r["cached"]["computed_tokens"], r["cold"]["computed_tokens"]
         # after the first turn: the new tokens, the reply and at most a chunk (16) of the previous prompt
         assert cold_computed == r["prompt_tokens"] and computed <= (r["prompt_tokens"] if r["turn"] == 0 else 9 + 6 + 15)
+
+
+def test_quant_plan_of_the_27b_pair_counts_quantized_weights_and_the_prefill_slice(tmp_path):
+    """bench quant --part plan on the CPU: meta models, the Q4_K_M mix counted in blocks (about 4.8 bits a
+    weight against bf16's 16), the prefill's dequantized slice in the plan, one row per prefill chunk."""
+    import json
+
+    from deepflash.cli import main
+
+    out = tmp_path / "plan.json"
+    main(["bench", "quant", "--part", "plan", "--device", "cpu", "--context", "4096", "--out", str(out)])
+    plans = json.loads(out.read_text())["plans"]
+    assert [p["prefill_chunk"] for p in plans] == [1024, 512]
+    weights = plans[0]["parts"]["target weights"]
+    assert 14e9 < weights < 18e9  # 27B weights at 4-6 bits (bf16: 54 GB)
+    assert 0 < plans[0]["parts"]["dequantized weight slice"] <= 6 * 64 * 2**20
+    assert plans[1]["plan_bytes"] < plans[0]["plan_bytes"] and all(p["fits"] for p in plans)

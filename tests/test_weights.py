@@ -168,3 +168,20 @@ def test_missing_path_and_bad_folder(tmp_path):
         weights.resolve_model(str(tmp_path / "nothing"))
     with pytest.raises(UserError, match="no config.json"):
         weights.resolve_model(str(tmp_path))
+
+
+def test_memory_plan_counts_the_blocks_of_a_gguf_kept_quantized(tmp_path, monkeypatch):
+    """The plan (meta models: the file's header read, no tensor) counts the bytes the loaded target holds."""
+    from deepflash.engine.config import EngineConfig
+    from deepflash.engine.memory import plan_memory
+    from deepflash.engine.runtime import meta_models
+
+    monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, tiny_hf_llama())
+    for weights in ("quantized", "dequantized"):
+        config = EngineConfig(model=str(path), no_draft=True, gguf_weights=weights, max_ctx=64)
+        target, _ = meta_models(config)
+        loaded, _ = load_target(str(path), gguf_weights=weights)
+        assert target.weight_bytes() == loaded.weight_bytes()
+        assert plan_memory(target, None, 64, config).parts["target weights"] == loaded.weight_bytes()

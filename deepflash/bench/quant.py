@@ -20,11 +20,14 @@ import re
 
 import torch
 
+from ..drafter.config import DrafterConfig
+from ..drafter.model import DFlashDrafter
 from ..engine.config import EngineConfig
+from ..engine.memory import plan_memory
 from ..engine.runtime import load_runtime, resolve_device
 from ..engine.sampling import SamplingParams
 from ..errors import UserError
-from ..models import random_model
+from ..models import model_class, random_model
 from ..models.config import ModelConfig
 from ..quant.gguf_blocks import FORMATS, BlockFormat
 from ..quant.random_weights import quantize_random_
@@ -37,6 +40,7 @@ FORMAT_NAMES = ("bf16", "Q8_0", "Q6_K", "Q4_K_M", "Q3_K")
 SHAPES = {"qwen3-8b": (QWEN3_8B, 36), "qwen3.5-27b": (family_shape("qwen3.5", "wide", 16), 16)}  # (shape, layers)
 CONTEXT = 512  # tokens in the cache when a step is timed
 PREFILL = 1024
+PLAN_CHUNKS = (1024, 512)  # prefill chunks of --part plan: the default and half (the workspace follows it)
 _BY_NAME = {f.name: f for f in FORMATS.values()}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -126,8 +130,38 @@ def embedded_rows(device, prompts: int, max_new: int) -> dict:
     return out
 
 
+# a drafter of the z-lab shape for the 27B targets (REFERENCE: 5 layers at the target's width), for the plan
+ZLAB_27B_DRAFTER = dict(architectures=["DFlashDraftModel"], hidden_size=5120, intermediate_size=17408,
+                        num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144, vocab_size=248320,
+                        num_target_layers=64, dflash_config={"mask_token_id": 248070, "block_size": 16,
+                                                             "target_layer_ids": [1, 16, 31, 46, 61]})
+
+
+def plan_row(fmt: str, context: int, chunk: int, card_gib: float, device: torch.device) -> dict:
+    """The memory plan of a whole Qwen3.5-27B-shaped target in `fmt` with a z-lab-shaped drafter at `context`
+    tokens and prefill chunks of `chunk`, built on the meta device (nothing allocated), against a card of
+    card_gib."""
+    shape = family_shape("qwen3.5", "wide", 64)
+    cfg = ModelConfig.from_hf(shape)
+    with torch.device("meta"):
+        target = quantize_random_(model_class(cfg)(cfg).to(torch.bfloat16), format_of(fmt, 64))
+        drafter = DFlashDrafter(DrafterConfig.from_hf(ZLAB_27B_DRAFTER)).to(torch.bfloat16)
+    plan = plan_memory(target, drafter, context, EngineConfig(max_ctx=context, prefill_chunk=chunk), device)
+    return {"format": fmt, "context": context, "prefill_chunk": chunk, "card_gib": card_gib, "plan_bytes": plan.total,
+            "fits": plan.total <= card_gib * 2**30, "parts": plan.parts}
+
+
 def run(args) -> dict:
     device = resolve_device(args.device)
+    if args.part == "plan":  # meta models: any device
+        rows = [plan_row("Q4_K_M", args.context, chunk, args.card_gib, device) for chunk in PLAN_CHUNKS]
+        table(f"Qwen3.5-27B-shaped Q4_K_M target + z-lab-shaped drafter at {args.context} tokens ({device.type} "
+              f"plan), GiB by prefill chunk", ["part", *map(str, PLAN_CHUNKS)],
+              [[k, *(r["parts"][k] / 2**30 for r in rows)] for k in rows[0]["parts"]]
+              + [["total", *(r["plan_bytes"] / 2**30 for r in rows)],
+                 [f"fits {args.card_gib:g} GiB", *(r["fits"] for r in rows)]])
+        return finish({"bench": "quant", "part": "plan", **environment(device), "plans": rows}, args.out)
     if device.type != "cuda":
         raise UserError("bench quant times CUDA graphs and the Triton kernels: it needs a CUDA device")
     bandwidth = copy_bandwidth(device)
@@ -158,6 +192,11 @@ def run(args) -> dict:
 def register(sub) -> None:
     p = sub.add_parser("quant", help="GGUF block formats against bf16: decode, verify, prefill, MBU; embedded pair")
     p.add_argument("--device", default="auto")
+    p.add_argument("--part", default="speed", choices=["speed", "plan"],
+                   help="speed: the shapes' formats and the embedded pair (CUDA); plan: a Qwen3.5-27B Q4_K_M pair's "
+                        "memory plan against --card-gib (meta models, any device)")
+    p.add_argument("--context", type=int, default=32768, help="tokens of context of --part plan")
+    p.add_argument("--card-gib", type=float, default=24.0, help="the card --part plan is held against")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--formats", default=",".join(FORMAT_NAMES), help="comma list (bf16 first gives the ratios)")
     p.add_argument("--layers", type=int, help="decoder layers of every shape (default: 36 for Qwen3-8B, 16 of "

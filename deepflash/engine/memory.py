@@ -12,6 +12,7 @@ import torch
 
 from ..drafter.features import drafter_window, mirror_format
 from ..models.layers import folded_mask_bytes
+from ..quant.weight import dequantized_slice_bytes
 from .config import EngineConfig
 from .steps import commits_aside
 
@@ -79,6 +80,8 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
     parts["workspace"] = _workspace(cfg, item, max_ctx, min(config.prefill_chunk, max_ctx), block, width)
+    if dequantized := dequantized_slice_bytes(target, item):  # a prefill projection by a quantized weight
+        parts["dequantized weight slice"] = dequantized
     parts["token counts"] = cfg.vocab_size * 5  # the penalties' int32 output counts and bool prompt set
     aside = drafter is not None and commits_aside(torch.device(device).type == "cuda", shared_device)
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), config.cuda_graphs, aside)

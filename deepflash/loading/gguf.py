@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from ..errors import UserError
 from ..progress import progress
 from ..quant.gguf_blocks import FORMATS, block_format, dequantize
+from ..quant.experts import ExpertBlocks, GateUp
 from ..quant.weight import QuantizedWeight
 from .gguf_names import HfTensor, hf_config, hf_tensor, join_parts
 
@@ -96,11 +97,27 @@ def gguf_state(path: Path, config: dict, device, dtype: torch.dtype, quantized: 
             continue
         value = _tensor(t, target, torch.device(device), dtype, quantized)
         if target.part is None:
-            state[target.name] = value
+            state[target.name] = _gate_up(value) if target.name.endswith("gate_up_proj") else value
         else:
             parts.setdefault(target.name, {})[target.part] = value
-    state.update(join_parts(parts))
+    quantized_parts = {name: p for name, p in parts.items() if all(isinstance(v, ExpertBlocks) for v in p.values())}
+    state.update({name: GateUp(p[0], p[1]) for name, p in quantized_parts.items()})
+    dense_parts = {name: {i: _dense(v, dtype) for i, v in p.items()} for name, p in parts.items()
+                   if name not in quantized_parts}
+    state.update(join_parts(dense_parts))
     return state
+
+
+def _gate_up(value):
+    """A fused expert gate/up tensor ([E, 2I, ...]: gate rows first) kept in blocks as its two halves."""
+    if not isinstance(value, ExpertBlocks):
+        return value
+    inner = value.blocks.shape[1] // 2
+    return GateUp(value.rows(0, inner), value.rows(inner, 2 * inner))
+
+
+def _dense(value, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(value.blocks, value.fmt, dtype) if isinstance(value, ExpertBlocks) else value
 
 
 def _tensor(t, target: HfTensor, device: torch.device, dtype: torch.dtype, quantized: bool):
@@ -109,8 +126,12 @@ def _tensor(t, target: HfTensor, device: torch.device, dtype: torch.dtype, quant
         raise UserError(f"GGUF tensor {t.name} is {t.tensor_type.name}, which is not kept quantized (supported: "
                         f"{', '.join(f.name for f in FORMATS.values())}); load it with --dequantize")
     shape = tuple(int(n) for n in reversed(t.shape))
+    # an expert stack keeps its blocks where the transform leaves it as stored (qwen3moe, qwen35moe)
+    keep = quantized and fmt is not None and target.values is None and target.shape is None
+    if keep and len(shape) == 3 and target.rows is None and target.columns is None:
+        return ExpertBlocks(fmt, _raw(t, device))
     # a matrix whose transform moves whole rows (or reorders its input features) keeps its blocks
-    if quantized and fmt is not None and len(shape) == 2 and target.values is None and target.shape is None:
+    if keep and len(shape) == 2:
         blocks = _raw(t, device)
         if target.rows is not None:
             blocks = blocks.index_select(0, target.rows.to(device))

@@ -157,10 +157,15 @@ class TargetModel(FusedProjections):
         cfg = self.cfg
         if cfg.num_experts:
             unused = 1 - cfg.num_experts_per_tok / cfg.num_experts
-            for name, p in self.named_parameters():
-                if ".experts." in name:
-                    total -= int(p.numel() * p.element_size() * unused)
+            total -= sum(int(tensor_bytes(stack) * unused) for stack in self._expert_stacks())
         return total
+
+    def _expert_stacks(self) -> list:
+        """The routed experts' weights: parameters of layers.Experts, or quant.experts.QuantizedExperts."""
+        from ..quant.experts import QuantizedExperts
+
+        stacks = [p for name, p in self.named_parameters() if ".experts." in name]
+        return stacks + [m for m in self.modules() if isinstance(m, QuantizedExperts)]
 
     def flops_per_token(self) -> int:
         """2 x the parameters a token multiplies with (attention over the context excluded)."""
@@ -170,5 +175,5 @@ class TargetModel(FusedProjections):
         cfg = self.cfg
         if cfg.num_experts:
             unused = 1 - cfg.num_experts_per_tok / cfg.num_experts
-            active -= sum(int(p.numel() * unused) for name, p in self.named_parameters() if ".experts." in name)
+            active -= sum(int(stack.numel() * unused) for stack in self._expert_stacks())
         return 2 * active

@@ -20,7 +20,7 @@ from torch import nn
 from .gguf_blocks import BlockFormat, dequantize
 
 KERNEL_ROWS = 16  # the kernel's row tile (kernels/quant_gemv.py); more rows dequantize
-SLICE_BYTES = 256 << 20  # the most bytes of dequantized weight a prefill projection holds at once
+SLICE_BYTES = 64 << 20  # the most bytes of dequantized weight a prefill projection holds at once
 
 
 class QuantizedWeight(nn.Module):
@@ -159,29 +159,56 @@ class QuantizedEmbedding(nn.Module):
         return self.weight.take_rows(ids)
 
 
+def _block_stores(module: nn.Module) -> list[nn.Module]:
+    """The modules holding quantized blocks (QuantizedWeight, experts.QuantizedExperts), each once."""
+    from .experts import QuantizedExperts
+
+    return [m for m in module.modules() if isinstance(m, (QuantizedWeight, QuantizedExperts))]
+
+
 def stored_bytes(module: nn.Module) -> int:
     """Bytes of a module's weights as stored: parameters plus quantized blocks (each counted once, tied
     ones too)."""
-    quantized = sum(m.nbytes for m in module.modules() if isinstance(m, QuantizedWeight))
+    quantized = sum(m.nbytes for m in _block_stores(module))
     return sum(p.numel() * p.element_size() for p in module.parameters()) + quantized
 
 
 def stored_elements(module: nn.Module) -> int:
     """Weights a module computes with: parameters plus the quantized weights' elements."""
-    quantized = sum(m.numel() for m in module.modules() if isinstance(m, QuantizedWeight))
+    quantized = sum(m.numel() for m in _block_stores(module))
     return sum(p.numel() for p in module.parameters()) + quantized
 
 
-def tensor_bytes(weight: torch.Tensor | QuantizedWeight) -> int:
-    return weight.nbytes if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
+def dequantized_slice_bytes(module: nn.Module, item: int) -> int:
+    """Peak bytes a prefill projection's dequantized slice takes (_dequantized_linear): the largest quantized
+    weight's slice in float32 (dequantize computes there) and in the compute dtype of `item` bytes."""
+    slices = [min(m.shape[0], max(1, SLICE_BYTES // (m.cols * item))) * m.cols * (4 + item)
+              for m in module.modules() if isinstance(m, QuantizedWeight)]
+    return max(slices, default=0)
+
+
+def tensor_bytes(weight: torch.Tensor | nn.Module) -> int:
+    """Bytes of a tensor, or of a module holding quantized blocks (its nbytes)."""
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.nbytes
 
 
 def quantize_modules(model: nn.Module, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
     """Put QuantizedLinear / QuantizedEmbedding in the place of the nn.Linear / nn.Embedding whose weight
     names ('model.layers.0.self_attn.q_proj.weight') `weights` holds; a linear's bias stays to be loaded.
-    One QuantizedWeight named twice (a tied LM head) is shared. Returns the weights of other places (a
-    router's, fused experts'), which the caller dequantizes."""
+    One QuantizedWeight named twice (a tied LM head) is shared. An expert stack's gate_up_proj (a GateUp)
+    and down_proj (ExpertBlocks) put a QuantizedExperts in the place of their layers.Experts. Returns the
+    weights of other places (a router's), which the caller dequantizes."""
+    from .experts import GateUp, QuantizedExperts
+
     others = {}
+    for name, gate_up in list(weights.items()):
+        if isinstance(gate_up, GateUp):
+            owner = name.removesuffix(".gate_up_proj")
+            parent, _, attr = owner.rpartition(".")
+            down, dense = weights.pop(f"{owner}.down_proj"), model.get_submodule(owner)  # the layers.Experts
+            setattr(model.get_submodule(parent), attr,
+                    QuantizedExperts(gate_up, down, dense.down_proj.shape[1], dense.down_proj.dtype))
+            del weights[name]
     for name, weight in weights.items():
         owner, _, attr = name.removesuffix(".weight").rpartition(".")
         parent = model.get_submodule(owner) if owner else model
