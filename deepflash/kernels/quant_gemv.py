@@ -374,32 +374,18 @@ if triton is not None:
                         ROUND, UPCAST, IEEE, WEIGHT_FIRST)
 
     @triton.jit
-    def _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
-        if HAS_BIAS:
-            acc += tl.load(bias + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out + r[:, None] * n + outs[None, :], _to_nearest(acc, ROUND).to(out.dtype.element_ty),
-                 mask=(r < rows)[:, None] & (outs < n)[None, :])
-
-    @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
-    def _quant_gemv(x, blocks, half, bias, out, partial, arrivals, rows, n, COLS: tl.constexpr,
-                         FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr,
-                         STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
-                         WEIGHT_FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
-        block, piece = tl.program_id(0), tl.program_id(1)
-        r = tl.arange(0, 16)
-        outs = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = outs < n
-        # byte offset of each weight row (int64: a large embedding passes 2 GiB); constexpr strides, so that
-        # Triton sees the blocks' alignment
-        ROW_BYTES: tl.constexpr = (COLS // QK) * BLOCK_BYTES
+    def _project(x, blocks, half, row_at, first, stop, live, r, rows, COLS: tl.constexpr, FMT: tl.constexpr,
+                 QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROUND: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WEIGHT_FIRST: tl.constexpr):
+        """The rows' tile (row i: x's row r[i] where r[i] < rows, else zeros) times the weight rows whose blocks
+        start at byte row_at [BLOCK_N] (`live`: rows that exist), over steps [first, stop) of the reduction:
+        [16, BLOCK_N] float32 (kernels/quant_moe.py projects an expert's rows with it too)."""
         STEP_BYTES: tl.constexpr = NB * BLOCK_BYTES
-        row_at = outs.to(tl.int64) * ROW_BYTES
         if WEIGHT_FIRST and not UPCAST:  # the products transposed, [BLOCK_N, 16], until the loop ends
             acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         else:
             acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for step in range(piece * SPAN, tl.minimum(piece * SPAN + SPAN, STEPS)):
+        for step in range(first, stop):
             at = row_at + step * STEP_BYTES
             if QK == 256:
                 acc = _k_quant(acc, x, blocks, half, at, live, step * 256, r, rows, COLS, FMT, BLOCK_N, ROUND,
@@ -409,6 +395,31 @@ if triton is not None:
                                     BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
         if WEIGHT_FIRST and not UPCAST:
             acc = tl.trans(acc)
+        return acc
+
+    @triton.jit
+    def _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
+        if HAS_BIAS:
+            acc += tl.load(bias + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + r[:, None] * n + outs[None, :], _to_nearest(acc, ROUND).to(out.dtype.element_ty),
+                 mask=(r < rows)[:, None] & (outs < n)[None, :])
+
+    @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
+    def _quant_gemv(x, blocks, half, bias, out, partial, arrivals, rows, n, COLS: tl.constexpr,
+                    FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr,
+                    STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
+                    WEIGHT_FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
+        block, piece = tl.program_id(0), tl.program_id(1)
+        r = tl.arange(0, 16)
+        outs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = outs < n
+        # byte offset of each weight row (int64: a large embedding passes 2 GiB); constexpr strides, so that
+        # Triton sees the blocks' alignment
+        ROW_BYTES: tl.constexpr = (COLS // QK) * BLOCK_BYTES
+        row_at = outs.to(tl.int64) * ROW_BYTES
+        acc = _project(x, blocks, half, row_at, piece * SPAN, tl.minimum(piece * SPAN + SPAN, STEPS), live, r, rows,
+                       COLS, FMT, QK, BLOCK_BYTES, NB, BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
         if SLICES == 1:
             _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS, ROUND)
         else:  # park this slice's sums; the row block's last slice to arrive adds them in slice order

@@ -54,7 +54,7 @@ INTERPRETED_BLOCK_N = 128  # weight rows a program in the interpreter (it runs a
 
 if triton is not None:
     from .moe import _group
-    from .quant_gemv import _k_quant, _small_blocks, _to_nearest
+    from .quant_gemv import _project, _to_nearest
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -148,32 +148,18 @@ def reference(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
 if triton is not None:
 
     @triton.jit
-    def _project(x, blocks, half, expert, outs, live, r, rows, COLS: tl.constexpr, N: tl.constexpr,
-                 FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr,
-                 BLOCK_N: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 WEIGHT_FIRST: tl.constexpr):
+    def _expert_rows(x, blocks, half, expert, outs, live, r, rows, COLS: tl.constexpr, N: tl.constexpr,
+                     FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     WEIGHT_FIRST: tl.constexpr):
         """The rows' tile (row i: x's row r[i] where r[i] < rows, else zeros) times expert `expert`'s weight
         rows `outs` [BLOCK_N] (`live`: inside its N rows) of COLS columns: [16, BLOCK_N] float32."""
         ROW_BYTES: tl.constexpr = (COLS // QK) * BLOCK_BYTES
-        STEP_BYTES: tl.constexpr = NB * BLOCK_BYTES
         STEPS: tl.constexpr = (COLS // QK + NB - 1) // NB
         # int64 byte offsets (the ids are int64) with constexpr strides: Triton sees the blocks' alignment
         row_at = expert * (N * ROW_BYTES) + outs.to(tl.int64) * ROW_BYTES
-        if WEIGHT_FIRST and not UPCAST:  # the products transposed, [BLOCK_N, 16], until the loop ends
-            acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        else:
-            acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for step in range(STEPS):
-            at = row_at + step * STEP_BYTES
-            if QK == 256:
-                acc = _k_quant(acc, x, blocks, half, at, live, step * 256, r, rows, COLS, FMT, BLOCK_N, ROUND,
-                               UPCAST, IEEE, WEIGHT_FIRST)
-            else:
-                acc = _small_blocks(acc, x, blocks, half, at, live, step, r, rows, COLS, FMT, BLOCK_BYTES, NB,
-                                    BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
-        if WEIGHT_FIRST and not UPCAST:
-            acc = tl.trans(acc)
-        return acc
+        return _project(x, blocks, half, row_at, 0, STEPS, live, r, rows, COLS, FMT, QK, BLOCK_BYTES, NB, BLOCK_N,
+                        ROUND, UPCAST, IEEE, WEIGHT_FIRST)
 
     @triton.jit(do_not_specialize=["n"])  # one binary for 1-16 tokens
     def _gate_up(x, experts, gate, gate_half, up, up_half, hidden, n, WIDTH: tl.constexpr, INNER: tl.constexpr,
@@ -188,9 +174,9 @@ if triton is not None:
             r = tl.where(routed, tl.arange(0, 16), 16)  # tile row t: token t where it routes here, else zeros
             outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             live = outs < INNER
-            g = _project(x, gate, gate_half, expert, outs, live, r, 16, WIDTH, INNER, G_FMT, G_QK, G_BYTES, G_NB,
+            g = _expert_rows(x, gate, gate_half, expert, outs, live, r, 16, WIDTH, INNER, G_FMT, G_QK, G_BYTES, G_NB,
                          BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
-            u = _project(x, up, up_half, expert, outs, live, r, 16, WIDTH, INNER, U_FMT, U_QK, U_BYTES, U_NB,
+            u = _expert_rows(x, up, up_half, expert, outs, live, r, 16, WIDTH, INNER, U_FMT, U_QK, U_BYTES, U_NB,
                          BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
             if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
                 tl.extra.cuda.gdc_launch_dependents()
@@ -211,7 +197,7 @@ if triton is not None:
             r = tl.where(routed, pairs, PAIRS)  # tile row t: the hidden row of token t's pair with this expert
             outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             live = outs < WIDTH
-            acc = _project(hidden, down, down_half, expert, outs, live, r, PAIRS, INNER, WIDTH, D_FMT, D_QK,
+            acc = _expert_rows(hidden, down, down_half, expert, outs, live, r, PAIRS, INNER, WIDTH, D_FMT, D_QK,
                            D_BYTES, D_NB, BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
             if GDC:
                 tl.extra.cuda.gdc_launch_dependents()
