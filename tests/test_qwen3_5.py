@@ -108,6 +108,7 @@ def test_auto_kernels_are_triton_on_cuda(monkeypatch, cuda):
     from deepflash.kernels import triton_support
 
     monkeypatch.setattr(triton_support, "usable", lambda device: cuda)  # as on a CUDA device with Triton
+    monkeypatch.setattr(triton_support, "require", lambda: None)  # CI's torch has no Triton
     target = hybrid_target("moe").use_kernels("auto")
     chosen = {(type(m).__name__, m.kernels is not None) for m in target.modules() if hasattr(m, "kernels")}
     names = {"GatedDeltaNet", "MLP", "Experts", "Qwen35Model", "GatedAttention", "SharedExpertMoe", "OffsetRMSNorm",
