@@ -35,6 +35,7 @@ class EngineConfig:
     target_kernels: str = "auto"  # auto (Triton on CUDA), torch or triton: TargetModel.use_kernels
     rope_scaling: str | None = None  # 'yarn:FACTOR': positions past the model's native window (ModelConfig)
     gguf_weights: str = "auto"  # a GGUF target's matrices: auto, quantized, dequantized (loading.targets.keeps_quantized)
+    quantize: str | None = None  # int8 / int4: a Hugging Face target's matrices quantized at load (quant/quantize.py)
     prefill_chunk: int = 1024  # prompt tokens per prefill forward (a power of two)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
     prefix_cache: bool = False  # reuse KV, states and features across requests (engine/prefix_cache.py; serve: on)
@@ -45,6 +46,7 @@ class EngineConfig:
     def validated(self) -> EngineConfig:
         from ..drafter.features import RING_KERNELS
         from ..loading.targets import GGUF_WEIGHTS
+        from ..quant.quantize import QUANTIZE
         from ..kernels.row_formats import FORMATS
         from ..models.base import TARGET_KERNELS
 
@@ -66,6 +68,8 @@ class EngineConfig:
             raise UserError(f"--target-kernels must be one of {', '.join(TARGET_KERNELS)}, got {self.target_kernels!r}")
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise UserError(f"GGUF weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise UserError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
         if self.trained_ctx is not None and self.trained_ctx < 1:
             raise UserError(f"--trained-ctx must be >= 1, got {self.trained_ctx}")
         if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):

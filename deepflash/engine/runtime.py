@@ -67,7 +67,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     cfg = cfg.validated()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    target, folder = load_target(cfg.model, device, dtype, cfg.rope_scaling, cfg.gguf_weights)
+    target, folder = load_target(cfg.model, device, dtype, cfg.rope_scaling, cfg.gguf_weights, cfg.quantize)
     tokenizer = load_tokenizer(folder)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
     drafter = load_drafter(draft_path, device, dtype) if draft_path else None
@@ -99,6 +99,8 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     from ..drafter.checkpoint import resolve_drafter
     from ..drafter.config import DrafterConfig
     from ..loading.targets import keeps_quantized
+    from ..quant.quantize import chooser, quantize_format
+    from ..quant.random_weights import quantize_random_
     from ..loading.weights import gguf_file, read_config, resolve_model
     from ..models import model_class
 
@@ -114,6 +116,8 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     with torch.device("meta"):
         if gguf_file(cfg.model) is None:
             target = model_class(tcfg)(tcfg).to(dtype)
+            if cfg.quantize:  # the blocks' bytes, as load_target's quantize_state makes them
+                target = quantize_random_(target, chooser(target, quantize_format(cfg.quantize)))
         drafter = None
         if draft_path:
             dcfg = DrafterConfig.from_hf(read_config(resolve_drafter(str(draft_path))))
@@ -139,6 +143,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize", action="store_true",
                    help="convert a GGUF target's quantized matrices to --dtype at load (default: on CUDA they stay in "
                         "their blocks, read by Triton kernels; on the CPU they are always converted)")
+    g.add_argument("--quantize", choices=["int8", "int4"],
+                   help="quantize a Hugging Face target's linear layers and experts at load: int8 as Q8_0 blocks, "
+                        "int4 as Q4_1 blocks (32 weights a scale; the GGUF kernels read them)")
     g.add_argument("--feature-dtype", default="auto", choices=["auto", *FORMATS],
                    help="the drafter mirror's feature storage (auto: the target's dtype, lossless)")
     g.add_argument("--feat-ring-cap", type=int,
@@ -172,6 +179,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=cap, trained_ctx=args.trained_ctx,
                         spec=args.spec, prefill_chunk=args.prefill_chunk, rope_scaling=args.rope_scaling,
-                        gguf_weights="dequantized" if args.dequantize else "auto",
+                        gguf_weights="dequantized" if args.dequantize else "auto", quantize=args.quantize,
                         ring_kernels=args.ring_kernels,
                         target_kernels=args.target_kernels).validated()

@@ -11,21 +11,26 @@ from ..models import TargetModel, materialize, model_class
 from ..models.config import ModelConfig
 from ..quant.experts import ExpertBlocks, GateUp, QuantizedExperts
 from ..quant.gguf_blocks import dequantize
+from ..quant.quantize import quantize_format, quantize_state
 from ..quant.weight import QuantizedWeight, quantize_modules
 from .gguf import gguf_state
 from .weights import fuse_experts, gguf_file, load_tensors, read_config, resolve_model, safetensors_files
 
 
-def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> TargetModel:
+def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype,
+                     quantize: str | None = None) -> TargetModel:
     """Materialise a model straight from tensors (no random init, no second copy of the weights). The
     dict is emptied: then the model holds the only references, and the tensors that fusion
     (fuse_projections) replaces are freed as it goes rather than all at the end (on Qwen3-8B the fused
-    q/k/v and gate/up are 65% of the weights)."""
+    q/k/v and gate/up are 65% of the weights). quantize: 'int8' or 'int4' quantizes the linear layers and
+    expert stacks into GGUF blocks on `device` (quant/quantize.py)."""
     cls = model_class(cfg)
     named = cls.prepare_state_dict(fuse_experts(state), cfg)
     state.clear()
     with torch.device("meta"):
         model = cls(cfg).to(dtype)
+    if quantize:
+        named = quantize_state(model, named, quantize_format(quantize), device, dtype)
     # quantized weights take the places of their layers; those of other places (a router's) are dequantized
     kept = (QuantizedWeight, GateUp, ExpertBlocks)
     quantized = {k: named.pop(k) for k in [k for k, v in named.items() if isinstance(v, kept)]}
@@ -69,10 +74,11 @@ def keeps_quantized(gguf_weights: str, device) -> bool:
 
 
 def load_target(spec: str | None, device="cpu", dtype=torch.float32, rope_scaling: str | None = None,
-                gguf_weights: str = "auto") -> tuple[TargetModel, Path]:
+                gguf_weights: str = "auto", quantize: str | None = None) -> tuple[TargetModel, Path]:
     """Load a target from a folder, .gguf file, hub id or the embedded default (None); rope_scaling:
     ModelConfig.with_rope_scaling's 'yarn:FACTOR'; gguf_weights: a GGUF target's matrices 'quantized' (kept
-    in their blocks), 'dequantized' (to `dtype` at load) or 'auto' (keeps_quantized). On the meta device
+    in their blocks), 'dequantized' (to `dtype` at load) or 'auto' (keeps_quantized); quantize: 'int8' or
+    'int4' quantizes a Hugging Face checkpoint's matrices at load (build_from_state). On the meta device
     nothing is read (memory plans)."""
     folder = resolve_model(spec)
     cfg = ModelConfig.from_hf(read_config(folder))
@@ -80,8 +86,13 @@ def load_target(spec: str | None, device="cpu", dtype=torch.float32, rope_scalin
         cfg = cfg.with_rope_scaling(rope_scaling)
     model_class(cfg)  # fail on an unsupported architecture before reading gigabytes
     if (gguf := gguf_file(spec)) is not None:
+        if quantize:
+            raise UserError("--quantize is for Hugging Face checkpoints: a GGUF file's weights are quantized "
+                            "already (they stay so on CUDA; --dequantize converts them)")
         state = gguf_state(gguf, read_config(folder), device, dtype, keeps_quantized(gguf_weights, device))
     else:
-        state = load_tensors(safetensors_files(folder), device, dtype)
-    return build_from_state(cfg, state, device, dtype), folder
+        # to be quantized, the float weights wait on the host: a card that holds the quantized model may not
+        # hold the float one
+        state = load_tensors(safetensors_files(folder), "cpu" if quantize else device, dtype)
+    return build_from_state(cfg, state, device, dtype, quantize), folder
 
