@@ -54,3 +54,21 @@ def test_pieces_leave_what_one_forward_leaves(n):
 def test_prefill_chunk_must_be_a_power_of_two():
     with pytest.raises(UserError, match="power of two"):
         Engine(TARGET, TOKENIZER, config=EngineConfig(prefill_chunk=1000))
+
+
+def test_default_prefill_chunk_is_halved_until_the_plan_fits_the_device(monkeypatch):
+    """No --prefill-chunk: on CUDA the default is halved while the memory plan exceeds the free memory (a
+    smaller chunk, smaller prefill activations); a chunk the user gives, and the CPU, keep theirs."""
+    from types import SimpleNamespace
+
+    from deepflash.engine import runtime
+
+    monkeypatch.setattr(runtime, "free_device_bytes", lambda device: 10_000 + 2**30)  # 10,000 over the reserve
+    monkeypatch.setattr(runtime, "plan_memory",
+                        lambda target, drafter, ctx, config, device: SimpleNamespace(total=40 * config.chunk))
+    cuda = torch.device("cuda")
+    assert runtime.fit_prefill_chunk(EngineConfig(max_ctx=64), TARGET, None, cuda) == 128  # 40 x 128 < 10,000
+    assert runtime.fit_prefill_chunk(EngineConfig(max_ctx=64, prefill_chunk=1024), TARGET, None, cuda) == 1024
+    assert runtime.fit_prefill_chunk(EngineConfig(max_ctx=64), TARGET, None, torch.device("cpu")) == 1024
+    monkeypatch.setattr(runtime, "free_device_bytes", lambda device: 2**30)  # nothing fits: the smallest
+    assert runtime.fit_prefill_chunk(EngineConfig(max_ctx=64), TARGET, None, cuda) == 64

@@ -15,6 +15,8 @@ DTYPES = {"float32": "float32", "f32": "float32", "bfloat16": "bfloat16", "bf16"
           "float16": "float16", "f16": "float16"}
 SPEC_MODES = ("auto", "on", "off")
 RING_CAP_ENV = "DEEPFLASH_FEAT_RING_CAP"
+DEFAULT_PREFILL_CHUNK = 1024
+MIN_FITTED_CHUNK = 64  # the smallest chunk fit_prefill_chunk tries
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,19 @@ class EngineConfig:
     rope_scaling: str | None = None  # 'yarn:FACTOR': positions past the model's native window (ModelConfig)
     gguf_weights: str = "auto"  # a GGUF target's matrices: auto, quantized, dequantized (loading.targets.keeps_quantized)
     quantize: str | None = None  # int8 / int4: a Hugging Face target's matrices quantized at load (quant/quantize.py)
-    prefill_chunk: int = 1024  # prompt tokens per prefill forward (a power of two)
+    # prompt tokens per prefill forward (a power of two); None: DEFAULT_PREFILL_CHUNK, which load_runtime halves
+    # where the memory plan would not fit the device (runtime.fit_prefill_chunk)
+    prefill_chunk: int | None = None
     cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
     prefix_cache: bool = False  # reuse KV, states and features across requests (engine/prefix_cache.py; serve: on)
     prefix_cache_mb: float | None = None  # its device memory; None = one context's worth (memory.prefix_cache_bytes)
     prefix_cache_host_mb: float | None = None  # host memory blocks move to before they are dropped; None = auto
     prefix_block: int = 256  # tokens per prefix-cache block
+
+    @property
+    def chunk(self) -> int:
+        """The prefill chunk in tokens (prefill_chunk, else the default)."""
+        return self.prefill_chunk or DEFAULT_PREFILL_CHUNK
 
     def validated(self) -> EngineConfig:
         from ..drafter.features import RING_KERNELS
@@ -72,7 +81,7 @@ class EngineConfig:
             raise UserError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
         if self.trained_ctx is not None and self.trained_ctx < 1:
             raise UserError(f"--trained-ctx must be >= 1, got {self.trained_ctx}")
-        if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
+        if self.prefill_chunk is not None and (self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1)):
             raise UserError(f"the prefill chunk must be a power of two, got {self.prefill_chunk}")
         for name in ("prefix_cache_mb", "prefix_cache_host_mb"):
             value = getattr(self, name)

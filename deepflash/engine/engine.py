@@ -173,8 +173,8 @@ class Engine:
         if config.prefix_cache:
             on_device, on_host = prefix_cache_bytes(target, drafter, self.max_ctx, config, self.device)
             index = PrefixCache(config.prefix_block, on_device, on_host, self.cache.has_state,
-                                self.window if drafter is not None else None, grid=config.prefill_chunk)
-            self.prefix = PrefixReuse(index, self.cache, features, self.steps.catch_up, config.prefill_chunk)
+                                self.window if drafter is not None else None, grid=config.chunk)
+            self.prefix = PrefixReuse(index, self.cache, features, self.steps.catch_up, config.chunk)
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -271,7 +271,7 @@ class Engine:
             self.state.counts.reset(self.state.prompt[:n])
         seq.cached = self.prefix.restore(seq.tokens) if self.prefix is not None else 0
         graphs = self.target.idempotent_positions
-        chunk = self.config.prefill_chunk
+        chunk = self.config.chunk
         pieces = prefill_pieces(n, chunk, seq.cached) if graphs else chunk_grid(seq.cached, n, chunk)
         queued: deque[torch.cuda.Event] = deque()
         for lo, size in pieces:

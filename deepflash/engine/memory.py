@@ -79,7 +79,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         parts["drafter mirror"] = 0 if same else slots * (mirror_row + TAG_BYTES) + scales
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
-    parts["workspace"] = _workspace(cfg, item, max_ctx, min(config.prefill_chunk, max_ctx), block, width)
+    parts["workspace"] = _workspace(cfg, item, max_ctx, min(config.chunk, max_ctx), block, width)
     if dequantized := dequantized_slice_bytes(target, item):  # a prefill projection by a quantized weight
         parts["dequantized weight slice"] = dequantized
     parts["token counts"] = cfg.vocab_size * 5  # the penalties' int32 output counts and bool prompt set

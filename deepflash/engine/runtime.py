@@ -19,7 +19,8 @@ from ..loading.weights import EMBEDDED_NAME
 from ..models import TargetModel
 from ..models.base import TARGET_KERNELS
 from ..models.config import ModelConfig
-from .config import DTYPES, RING_CAP_ENV, EngineConfig, context_length, ring_cap_from_env
+from .config import (DEFAULT_PREFILL_CHUNK, DTYPES, MIN_FITTED_CHUNK, RING_CAP_ENV, EngineConfig, context_length,
+                     ring_cap_from_env)
 from .engine import Engine
 from .memory import MemoryPlan, auto_max_ctx, free_device_bytes, plan_memory
 
@@ -74,6 +75,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     # weights are loaded already: --max-ctx auto's budget is what is free now plus what they occupy
     loaded = target.weight_bytes() + (drafter.weight_bytes() if drafter else 0)
     cfg = replace(cfg, max_ctx=resolve_max_ctx(cfg, target, drafter, device, loaded))
+    cfg = replace(cfg, prefill_chunk=fit_prefill_chunk(cfg, target, drafter, device, loaded))
     engine = Engine(target, tokenizer, drafter, cfg)
     plan = plan_memory(target, drafter, engine.max_ctx, cfg, device)
     name = cfg.model or EMBEDDED_NAME
@@ -92,6 +94,22 @@ def resolve_max_ctx(cfg: EngineConfig, target: TargetModel, drafter: DFlashDraft
     if max_ctx < 2:
         raise UserError(f"the model does not fit in the free memory of {device} with a {cfg.reserve_mb} MiB reserve")
     return max_ctx
+
+
+def fit_prefill_chunk(cfg: EngineConfig, target: TargetModel, drafter: DFlashDrafter | None, device: torch.device,
+                      loaded_bytes: int = 0) -> int:
+    """cfg.prefill_chunk, or where none is given the default halved until the memory plan at cfg.max_ctx fits
+    what the device has free (plus `loaded_bytes`) less the reserve, down to MIN_FITTED_CHUNK: a smaller chunk
+    shrinks prefill's activations (a Qwen3.5-27B Q4_K_M pair at 32K fits 24 GiB with 512, not 1024). Only on
+    CUDA: the CPU's memory is the host's."""
+    if cfg.prefill_chunk is not None or device.type != "cuda":
+        return cfg.chunk
+    budget = free_device_bytes(device) + loaded_bytes - cfg.reserve_mb * 2**20
+    chunk = DEFAULT_PREFILL_CHUNK
+    while chunk > MIN_FITTED_CHUNK and plan_memory(target, drafter, cfg.max_ctx, replace(cfg, prefill_chunk=chunk),
+                                                   device).total > budget:
+        chunk //= 2
+    return chunk
 
 
 def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
@@ -152,8 +170,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"lower the feature window (memory valve; default: {RING_CAP_ENV} if set, else none)")
     g.add_argument("--trained-ctx", type=int, help="override the drafter's trained context length (default: its config's)")
     g.add_argument("--spec", default="auto", choices=["auto", "on", "off"], help="speculation policy")
-    g.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
-                   help="prompt tokens per prefill forward (a power of two): bounds prefill's activation memory")
+    g.add_argument("--prefill-chunk", type=int,
+                   help="prompt tokens per prefill forward (a power of two): bounds prefill's activation memory "
+                        f"(default: {DEFAULT_PREFILL_CHUNK}, halved on CUDA until the memory plan fits)")
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
                    help="feature-ring kernels (auto: triton on CUDA, else torch)")
     g.add_argument("--target-kernels", default="auto", choices=list(TARGET_KERNELS),
