@@ -380,3 +380,26 @@ def hybrid_target(kind: str, dtype=torch.float64, seed=0, std=0.2, **overrides):
     """A random hybrid target over the helpers' tiny vocabulary (for the engine tests)."""
     cfg = text_config(kind, **{"vocab_size": VOCAB, "tie_word_embeddings": True, **overrides})
     return random_model(ModelConfig.from_hf(cfg), dtype=dtype, seed=seed, std=std)
+
+
+def hf_qwen35(kind: str, **overrides):
+    """A transformers Qwen3.5 text model ("dense" or "moe") of text_config's tiny shape with random weights:
+    N(0, 0.1) matrices and norm offsets moved by N(0, 0.1), larger than the default init so that mismatches
+    show."""
+    import transformers
+
+    cfg = text_config(kind, **overrides)
+    cfg.pop("model_type")
+    if kind == "moe":
+        hf_cfg, cls = transformers.Qwen3_5MoeTextConfig(**cfg), transformers.Qwen3_5MoeForCausalLM
+    else:
+        hf_cfg, cls = transformers.Qwen3_5TextConfig(**cfg), transformers.Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    hf = cls(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.1)
+    return hf

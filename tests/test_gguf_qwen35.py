@@ -9,7 +9,7 @@ inverting deepflash's loader."""
 import numpy as np
 import pytest
 import torch
-from helpers import text_config
+from helpers import hf_qwen35
 
 from deepflash.errors import UserError
 from deepflash.loading.gguf_names import hf_config, hf_tensor
@@ -23,21 +23,8 @@ LAYER_TYPES = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for 
 
 def random_hf_model(kind: str):
     """A transformers Qwen3.5 text model (k heads 2, v heads 4: the value-head reorder matters) with random
-    weights, norm offsets included, and a random multi-token-prediction block as the checkpoints ship one."""
-    import transformers
-
-    cfg = text_config(kind, num_hidden_layers=LAYERS, layer_types=LAYER_TYPES)
-    cfg.pop("model_type")
-    if kind == "moe":
-        hf_cfg, cls = transformers.Qwen3_5MoeTextConfig(**cfg), transformers.Qwen3_5MoeForCausalLM
-    else:
-        hf_cfg, cls = transformers.Qwen3_5TextConfig(**cfg), transformers.Qwen3_5ForCausalLM
-    torch.manual_seed(0)
-    hf = cls(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(p + torch.randn_like(p) * 0.1 if "norm" in name else torch.randn_like(p) * 0.1)
-    return hf
+    weights, norm offsets included."""
+    return hf_qwen35(kind, num_hidden_layers=LAYERS, layer_types=LAYER_TYPES)
 
 
 def mtp_block(state: dict, hidden: int) -> dict:

@@ -8,10 +8,10 @@ from helpers import (
     VOCAB,
     check_left_padded_batch,
     drafter_config,
+    hf_qwen35,
     hybrid_target,
     oracle,
     sampled_distribution_check,
-    text_config,
     tiny_drafter,
     tiny_tokenizer,
 )
@@ -28,23 +28,8 @@ from deepflash.models.gated_deltanet import l2_normalize
 TOL = 1e-4
 def hf_pair(kind: str, **overrides):
     """A transformers model with random weights (norm offsets included) and ours loaded from its state dict."""
-    import transformers
-
-    cfg = text_config(kind, **overrides)
-    cfg.pop("model_type")
-    if kind == "moe":
-        hf_cfg, cls = transformers.Qwen3_5MoeTextConfig(**cfg), transformers.Qwen3_5MoeForCausalLM
-    else:
-        hf_cfg, cls = transformers.Qwen3_5TextConfig(**cfg), transformers.Qwen3_5ForCausalLM
-    torch.manual_seed(0)
-    hf = cls(hf_cfg).eval()
-    with torch.no_grad():  # larger weights than the default init make mismatches visible
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.normal_(0, 0.1)
-    ours = build_from_state(ModelConfig.from_hf(hf_cfg.to_dict()), dict(hf.state_dict()), "cpu", torch.float32)
+    hf = hf_qwen35(kind, **overrides)
+    ours = build_from_state(ModelConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()), "cpu", torch.float32)
     return hf, ours
 
 

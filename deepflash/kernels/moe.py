@@ -68,7 +68,8 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     _down[(n * top_k, triton.cdiv(width, BLOCK_H))](hidden, experts, weights.contiguous(), down, partial, n,
                                                     BLOCK_H=BLOCK_H, **shape)
     _combine[(n, triton.cdiv(width, COMBINE_BLOCK))](partial, out, WIDTH=width, TOP_K=top_k, BLOCK=COMBINE_BLOCK,
-                                                     GDC=dependent, launch_pdl=dependent)
+                                                     ROUND=INTERPRETED and x.dtype == torch.bfloat16, GDC=dependent,
+                                                     launch_pdl=dependent)
     return out
 
 
@@ -83,6 +84,7 @@ def routed_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.
 
 
 if triton is not None:
+    from .quant_gemv import _to_nearest
 
     @triton.jit
     def _group(experts, pair, n, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
@@ -160,7 +162,10 @@ if triton is not None:
                      mask=routed[:, None] & (cols < WIDTH)[None, :])
 
     @triton.jit
-    def _combine(partial, out, WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    def _combine(partial, out, WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                 GDC: tl.constexpr):
+        """Each token's k float32 partial rows summed in slot order, rounded once to out's dtype (to nearest in the
+        interpreter too: ROUND, quant_gemv._to_nearest)."""
         if GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # a few loads per program: nothing long to wait for
@@ -170,4 +175,4 @@ if triton is not None:
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for slot in tl.static_range(TOP_K):  # slot order: a token's sum never depends on the other tokens
             total += tl.load(partial + (token * TOP_K + slot) * WIDTH + cols, mask=inside, other=0.0)
-        tl.store(out + token * WIDTH + cols, total.to(out.dtype.element_ty), mask=inside)
+        tl.store(out + token * WIDTH + cols, _to_nearest(total, ROUND).to(out.dtype.element_ty), mask=inside)

@@ -53,7 +53,7 @@ COMBINE_BLOCK = 1024  # output columns per _combine program
 INTERPRETED_BLOCK_N = 128  # weight rows a program in the interpreter (it runs a program at a time: fewer, faster)
 
 if triton is not None:
-    from .moe import _group
+    from .moe import _combine, _group
     from .quant_gemv import _project, _to_nearest
 
 
@@ -204,17 +204,3 @@ if triton is not None:
             scale = tl.load(weights + pairs, mask=routed, other=0.0).to(tl.float32)
             tl.store(partial + pairs[:, None] * WIDTH + outs[None, :], acc * scale[:, None],
                      mask=routed[:, None] & live[None, :])
-
-    @triton.jit
-    def _combine(partial, out, WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
-                 GDC: tl.constexpr):
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()  # a few loads per program: nothing long to wait for
-        token = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < WIDTH
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for slot in tl.static_range(TOP_K):  # slot order: a token's sum never depends on the other tokens
-            total += tl.load(partial + (token * TOP_K + slot) * WIDTH + cols, mask=inside, other=0.0)
-        tl.store(out + token * WIDTH + cols, _to_nearest(total, ROUND).to(out.dtype.element_ty), mask=inside)
