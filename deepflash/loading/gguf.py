@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from ..errors import UserError
 from ..progress import progress
 from ..quant.gguf_blocks import FORMATS, block_format, dequantize
-from ..quant.experts import ExpertBlocks, GateUp
+from ..quant.experts import ExpertBlocks, GateUp, dequantized
 from ..quant.weight import QuantizedWeight
 from .gguf_names import HfTensor, hf_config, hf_tensor, join_parts
 
@@ -102,7 +102,7 @@ def gguf_state(path: Path, config: dict, device, dtype: torch.dtype, quantized: 
             parts.setdefault(target.name, {})[target.part] = value
     quantized_parts = {name: p for name, p in parts.items() if all(isinstance(v, ExpertBlocks) for v in p.values())}
     state.update({name: GateUp(p[0], p[1]) for name, p in quantized_parts.items()})
-    dense_parts = {name: {i: _dense(v, dtype) for i, v in p.items()} for name, p in parts.items()
+    dense_parts = {name: {i: dequantized(v, dtype) for i, v in p.items()} for name, p in parts.items()
                    if name not in quantized_parts}
     state.update(join_parts(dense_parts))
     return state
@@ -114,10 +114,6 @@ def _gate_up(value):
         return value
     inner = value.blocks.shape[1] // 2
     return GateUp(value.rows(0, inner), value.rows(inner, 2 * inner))
-
-
-def _dense(value, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(value.blocks, value.fmt, dtype) if isinstance(value, ExpertBlocks) else value
 
 
 def _tensor(t, target: HfTensor, device: torch.device, dtype: torch.dtype, quantized: bool):

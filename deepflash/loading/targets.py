@@ -9,8 +9,7 @@ import torch
 from ..errors import UserError
 from ..models import TargetModel, materialize, model_class
 from ..models.config import ModelConfig
-from ..quant.experts import ExpertBlocks, GateUp, QuantizedExperts
-from ..quant.gguf_blocks import dequantize
+from ..quant.experts import ExpertBlocks, GateUp, QuantizedExperts, dequantized
 from ..quant.quantize import quantize_format, quantize_state
 from ..quant.weight import QuantizedWeight, quantize_modules
 from .gguf import gguf_state
@@ -34,7 +33,7 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
     # quantized weights take the places of their layers; those of other places (a router's) are dequantized
     kept = (QuantizedWeight, GateUp, ExpertBlocks)
     quantized = {k: named.pop(k) for k in [k for k, v in named.items() if isinstance(v, kept)]}
-    named.update({k: _dense(w, dtype) for k, w in quantize_modules(model, quantized).items()})
+    named.update({k: dequantized(w, dtype) for k, w in quantize_modules(model, quantized).items()})
     named = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in named.items()}
     missing, unexpected = model.load_state_dict(named, strict=False, assign=True)
     named.clear()
@@ -48,15 +47,6 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
         )
     model.tie_weights()
     return materialize(model, device).fuse_projections().eval().requires_grad_(False)
-
-
-def _dense(value, dtype: torch.dtype) -> torch.Tensor:
-    """A quantized weight no quantized layer holds (a router's), dequantized."""
-    if isinstance(value, QuantizedWeight):
-        return value.dequantize(dtype)
-    if isinstance(value, GateUp):
-        return torch.cat([_dense(value.gate, dtype), _dense(value.up, dtype)], dim=-2)
-    return dequantize(value.blocks, value.fmt, dtype)
 
 
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")  # load_target's gguf_weights

@@ -18,9 +18,8 @@ from torch import nn
 
 from ..kernels.config import KernelConfig
 from .gguf_blocks import BlockFormat, dequantize
+from .weight import SLICE_BYTES, QuantizedWeight
 
-STEP_TOKENS = 16  # the kernel's tile of tokens (kernels/quant_moe.py); more dequantize slices of experts
-SLICE_BYTES = 64 << 20  # dequantized expert weights a prefill holds at once
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; experts / weights [N, k]: each token's sum of its experts' outputs times their weights."""
-        if x.shape[0] <= STEP_TOKENS and (x.is_cuda or self.kernels is not None):
+        if x.is_cuda or self.kernels is not None:
             from ..kernels import quant_moe  # imports Triton: only where it is used
 
             if quant_moe.fits(x):
@@ -93,3 +92,15 @@ class QuantizedExperts(nn.Module):
             hidden = (F.silu(g) * u * routing[:, lo:hi, None]).transpose(0, 1)  # [S, N, I]
             out += torch.bmm(hidden, down.transpose(1, 2)).float().sum(0)
         return out.to(x.dtype)
+
+
+def dequantized(value: torch.Tensor | QuantizedWeight | GateUp | ExpertBlocks, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized weight as a dense tensor in `dtype` (where no quantized layer takes it: a router's); an expert
+    stack's gate and up joined along their rows, as layers.Experts stores them. A tensor comes back as it is."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, QuantizedWeight):
+        return value.dequantize(dtype)
+    if isinstance(value, GateUp):
+        return torch.cat([dequantized(value.gate, dtype), dequantized(value.up, dtype)], dim=-2)
+    return dequantize(value.blocks, value.fmt, dtype)

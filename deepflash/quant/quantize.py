@@ -65,13 +65,13 @@ def chooser(model: nn.Module, fmt: BlockFormat):
     """fmt_of for a model's weights quantized at load: every linear layer's weight whose width is whole
     blocks, and every expert stack (named by its down_proj); not embedding tables (a lookup reads one row)
     nor an LM head tied to one."""
-    from .random_weights import _is_expert_stack
+    from .random_weights import is_expert_stack
 
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
     names = {f"{name}.weight" for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and m.in_features % fmt.block == 0 and not (tied and name == "lm_head")}
     names |= {f"{name}.down_proj" for name, m in model.named_modules()
-              if _is_expert_stack(m) and m.down_proj.shape[-1] % fmt.block == 0 and m.down_proj.shape[1] % fmt.block == 0}
+              if is_expert_stack(m) and m.down_proj.shape[-1] % fmt.block == 0 and m.down_proj.shape[1] % fmt.block == 0}
     return lambda name: fmt if name in names else None
 
 

@@ -28,7 +28,7 @@ def quantize_random_(model: nn.Module, fmt_of: Callable[[str], BlockFormat | Non
 
     weights = {}
     for name, module in model.named_modules():
-        if _is_expert_stack(module) and (fmt := fmt_of(f"{name}.down_proj")) is not None:
+        if is_expert_stack(module) and (fmt := fmt_of(f"{name}.down_proj")) is not None:
             count, hidden, inner = module.down_proj.shape
             stack = [ExpertBlocks(fmt, blocks(count * r, c, fmt, module.down_proj).view(count, r, -1))
                      for r, c in ((inner, hidden), (inner, hidden), (hidden, inner))]
@@ -47,7 +47,7 @@ def quantize_random_(model: nn.Module, fmt_of: Callable[[str], BlockFormat | Non
     return model.fuse_projections() if hasattr(model, "fuse_projections") else model
 
 
-def _is_expert_stack(module: nn.Module) -> bool:
+def is_expert_stack(module: nn.Module) -> bool:
     """A layers.Experts (fused gate_up_proj [E, 2I, H], down_proj [E, H, I]), known by its parameters: quant/
     sits below models/ in the imports."""
     return isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3

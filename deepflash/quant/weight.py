@@ -19,7 +19,6 @@ from torch import nn
 
 from .gguf_blocks import BlockFormat, dequantize
 
-KERNEL_ROWS = 16  # the kernel's row tile (kernels/quant_gemv.py); more rows dequantize
 SLICE_BYTES = 64 << 20  # the most bytes of dequantized weight a prefill projection holds at once
 
 
@@ -94,12 +93,13 @@ class QuantizedWeight(nn.Module):
         layer's kernels being on), else dequantized slices and torch's GEMM."""
         if self.file_order is not None:
             x = x.index_select(-1, self.file_order)
-        few = x.numel() // x.shape[-1] <= KERNEL_ROWS and x.dtype in (torch.bfloat16, torch.float32)
-        if few and (kernels or x.is_cuda):
+        outs = None
+        if kernels or x.is_cuda:
             from ..kernels import quant_gemv  # imports Triton: only where it is used
 
-            outs = [quant_gemv.linear(x, blocks, fmt.ggml_type, self.cols) for fmt, blocks in self.parts]
-        else:
+            if quant_gemv.fits(x):
+                outs = [quant_gemv.linear(x, blocks, fmt.ggml_type, self.cols) for fmt, blocks in self.parts]
+        if outs is None:
             outs = [_dequantized_linear(x, fmt, blocks) for fmt, blocks in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out + bias
