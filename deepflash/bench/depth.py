@@ -4,12 +4,17 @@ Per depth, plain decoding (no drafter): prefill tok/s, decode tok/s and the band
 reads: the weights a decode step touches plus the KV of every position attended, over the device's copy
 bandwidth), peak memory against the memory plan. Then, with a z-lab-shaped random drafter whose window is
 40960, the device time of a draft and of a 16-token verify at each depth (each timed alone as a CUDA graph).
-Past the model's 40960 positions the rope is stretched with YaRN (--rope-scaling yarn:4 by default).
+Past the model's 40960 positions the rope is stretched with YaRN (--rope-scaling yarn:4 by default). With
+--kv-budget TOKENS, plain decoding again at --budget-depths with at most TOKENS positions of KV on the device
+(models/kv_budget.py): its decode tok/s by depth and the pool's rebuilds (the bytes a step reads count the
+resident positions only).
 
     deepflash bench depth --out benchmarks/long-context/depth.json
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -33,7 +38,8 @@ def prompt_of(depth: int, vocab: int) -> list[int]:
 
 
 def plain_row(engine: Engine, depth: int, max_new: int, bandwidth: float) -> dict:
-    """One untimed request (graph captures), then a timed one."""
+    """One untimed request (graph captures), then a timed one. A bounded cache's steps read its resident
+    positions only."""
     params = SamplingParams(max_new_tokens=max_new)
     prompt = prompt_of(depth, engine.target.cfg.vocab_size)
     engine.complete(prompt, params)
@@ -42,9 +48,26 @@ def plain_row(engine: Engine, depth: int, max_new: int, bandwidth: float) -> dic
     engine.wait_idle()
     target = engine.target
     # the mean step attends over depth + max_new / 2 positions (the kernel reads only positions that exist)
-    step_bytes = target.decode_weight_bytes() + (depth + max_new // 2) * target.kv_bytes_per_token()
-    return {"depth": depth, "prefill_tok_per_s": depth / result.prefill_s, "decode_tok_per_s": result.tok_per_s,
-            "bytes_per_step": step_bytes, "bandwidth_fraction": step_bytes * result.tok_per_s / (bandwidth * 1e9)}
+    attended = min(depth + max_new // 2, engine.config.kv_budget or depth + max_new)
+    step_bytes = target.decode_weight_bytes() + attended * target.kv_bytes_per_token()
+    row = {"depth": depth, "prefill_tok_per_s": depth / result.prefill_s, "decode_tok_per_s": result.tok_per_s,
+           "bytes_per_step": step_bytes, "bandwidth_fraction": step_bytes * result.tok_per_s / (bandwidth * 1e9)}
+    if engine.bounded:
+        row["rebuilds"] = engine.kv.rebuilds
+    return row
+
+
+def budget_rows(target, tokenizer, config: EngineConfig, args, bandwidth: float) -> list[dict]:
+    """Plain decoding at --budget-depths with at most --kv-budget positions of KV on the device."""
+    depths = [int(d) for d in args.budget_depths.split(",")]
+    engine = Engine(target, tokenizer, config=replace(config, kv_budget=args.kv_budget))
+    engine.stop_ids = frozenset()
+    rows = [plain_row(engine, depth, args.max_new_tokens, bandwidth) for depth in depths]
+    table(f"the same with --kv-budget {args.kv_budget}", ["depth", "prefill tok/s", "decode tok/s", "bandwidth",
+                                                          "rebuilds"],
+          [[r["depth"], r["prefill_tok_per_s"], r["decode_tok_per_s"], r["bandwidth_fraction"], r["rebuilds"]]
+           for r in rows])
+    return rows
 
 
 def step_row(engine: Engine, depth: int, block: int) -> dict:
@@ -97,6 +120,9 @@ def run(args) -> dict:
             r["peak_bytes"] / 2**30, r["plan_bytes"] / 2**30] for r in record["plain"]])
     del engine
     torch.cuda.empty_cache()
+    if args.kv_budget:
+        record["kv_budget"] = {"tokens": args.kv_budget, "plain": budget_rows(target, tokenizer, config, args, bandwidth)}
+        save(record, args.out)
     drafter = random_drafter(device)
     spec_ctx = max(d for d in depths if d <= args.spec_max_depth) + 64
     engine = Engine(target, tokenizer, drafter, EngineConfig(max_ctx=spec_ctx, spec="on", feature_dtype="bf16",
@@ -118,5 +144,7 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     p.add_argument("--rope-scaling", default="yarn:4", help="past the 40960 native positions (empty: none)")
     p.add_argument("--spec-max-depth", type=int, default=65536, help="deepest prompt the DFlash steps are timed at")
+    p.add_argument("--kv-budget", type=int, help="also decode with at most this many positions of KV on the device")
+    p.add_argument("--budget-depths", default="16384,131072", help="the depths --kv-budget is timed at")
     p.add_argument("--out", help="JSON file")
     p.set_defaults(func=run)

@@ -41,6 +41,9 @@ class EngineConfig:
     # prompt tokens per prefill forward (a power of two); None: DEFAULT_PREFILL_CHUNK, which load_runtime halves
     # where the memory plan would not fit the device (runtime.fit_prefill_chunk)
     prefill_chunk: int | None = None
+    # positions of target KV kept on the device, the rest in host memory, chosen by relevance (models/kv_budget.py);
+    # lossy, so None (every position on the device) by default
+    kv_budget: int | None = None
     cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
     prefix_cache: bool = False  # reuse KV, states and features across requests (engine/prefix_cache.py; serve: on)
     prefix_cache_mb: float | None = None  # its device memory; None = one context's worth (memory.prefix_cache_bytes)
@@ -87,6 +90,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise UserError(f"--kv-budget must be a number of tokens >= 1, got {self.kv_budget}")
+        if self.kv_budget is not None and self.prefix_cache:
+            raise UserError("--kv-budget and the prefix cache do not run together (the prefix cache saves and "
+                            "restores whole-context KV); leave one of them out")
         if self.prefix_block < 1:
             raise UserError(f"the prefix-cache block must be at least 1 token, got {self.prefix_block}")
         return self

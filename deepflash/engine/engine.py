@@ -25,6 +25,7 @@ from ..drafter.model import DFlashDrafter
 from ..errors import UserError
 from ..loading.tokenizer import Detokenizer, Tokenizer
 from ..models import TargetModel
+from ..models.kv_budget import BudgetKVCache, KVBudget
 from .config import EngineConfig, context_length
 from .controller import SpecController
 from .graphs import StepGraphs, chunk_grid, kv_bucket, prefill_pieces
@@ -141,7 +142,6 @@ class Engine:
                             "(load_target's rope_scaling, as runtime.load_runtime passes it); this target has none")
         self.max_ctx = context_length(config.max_ctx, cfg.positions)
         self.device = target.device
-        self.cache = target.new_cache(1, self.max_ctx)
         self.stop_ids = tokenizer.stop_ids(cfg.eos_token_ids)
         self.controller = SpecController(mode=config.spec if drafter is not None else "off")
         self.block_size = 1
@@ -158,6 +158,9 @@ class Engine:
                                     channel_scale=storage_scale(drafter.fc.weight))
             context = DrafterContext(drafter, self.window, slack=self.block_size,
                                      kernels=drafter_kernels(config.target_kernels, drafter))
+        self.cache = target.new_cache(1, self.max_ctx, self._kv_budget())
+        self.kv = getattr(self.cache, "kv", self.cache)  # the attention layers' (a hybrid cache's kv)
+        self.bounded = isinstance(self.kv, BudgetKVCache)
         # rope rows are gathered from tables rather than computed in every step (layers.Rotary.tabulate);
         # the tables cover the target's whole range, so that engines sharing a model share them
         target.rotary.tabulate(cfg.positions, target.dtype)
@@ -175,6 +178,13 @@ class Engine:
             index = PrefixCache(config.prefix_block, on_device, on_host, self.cache.has_state,
                                 self.window if drafter is not None else None, grid=config.chunk)
             self.prefix = PrefixReuse(index, self.cache, features, self.steps.catch_up, config.chunk)
+
+    def _kv_budget(self) -> KVBudget | None:
+        """The bounded cache's sizes (--kv-budget): a step asks room for a prefill chunk, or for the steps in
+        flight and the next."""
+        if self.config.kv_budget is None:
+            return None
+        return KVBudget(self.config.kv_budget, max(self.config.chunk, (PIPELINE_DEPTH + 1) * self.block_size))
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -263,6 +273,8 @@ class Engine:
         if self.steps.features is not None:
             self.steps.features.reset()
             self.steps.context.reset()
+        if self.bounded:
+            self.kv.reset()
         params = seq.params
         self.state.sampling.load(params)
         n = len(seq.tokens)
@@ -281,6 +293,8 @@ class Engine:
                 if cancelled():
                     raise Cancelled("the request was cancelled during its prefill")
             self.state.start.fill_(lo)
+            if self.bounded:
+                self.kv.make_room(lo, lo + size)
             kv_len = kv_bucket(lo + size, self.max_ctx) if graphs else lo + size
             step = functools.partial(self.steps.prefill, size, kv_len, params)
             if graphs:
@@ -326,6 +340,9 @@ class Engine:
         size = min(self.block_size, self._context_room(seq, inflight))
         processed = self._processed_bound(seq, inflight)
         began = time.perf_counter()
+        # a bounded cache's rebuild (host work, a sync) is not the step's cost; each step in flight commits one
+        # token at least
+        rebuilt = self.bounded and self.kv.make_room(seq.processed + len(inflight), processed + size)
         params = seq.params
         window = self.window if self.drafter is not None else None
         region = kv_bucket(processed + self.block_size, self.max_ctx, window)  # step costs are per KV bucket
@@ -359,7 +376,7 @@ class Engine:
             ready = torch.cuda.Event()
             ready.record()
         return Launched(kind, size, began, number, ready, time.perf_counter() - began, region,
-                        timed=not (captured or switched), phases=len(timer.pending))
+                        timed=not (captured or switched or rebuilt), phases=len(timer.pending))
 
     def _catch_up(self, seq: Sequence, inflight: deque[Launched], processed: int) -> bool:
         """Before drafting: give the drafter the context K/V of the positions plain steps committed

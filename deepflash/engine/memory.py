@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafter.features import drafter_window, mirror_format
+from ..models.kv_budget import PAGE
 from ..models.layers import folded_mask_bytes
 from ..quant.weight import dequantized_slice_bytes
 from .config import EngineConfig
@@ -26,6 +27,7 @@ class MemoryPlan:
     window: int | None
     feature_dtype: str
     parts: dict[str, int]
+    host_bytes: int = 0  # host memory besides the device's: the whole context's KV under --kv-budget
 
     @property
     def total(self) -> int:
@@ -33,12 +35,14 @@ class MemoryPlan:
 
     def to_json(self) -> dict:
         return {"max_ctx": self.max_ctx, "window": self.window, "feature_dtype": self.feature_dtype,
-                "parts": self.parts, "total": self.total}
+                "parts": self.parts, "total": self.total, "host_bytes": self.host_bytes}
 
     def table(self) -> str:
         lines = [f"memory plan: max_ctx {self.max_ctx}, feature window {self.window}, features {self.feature_dtype}"]
         lines += [f"  {name:<22} {mib(n):>10.1f} MiB" for name, n in self.parts.items()]
         lines.append(f"  {'total':<22} {mib(self.total):>10.1f} MiB")
+        if self.host_bytes:
+            lines.append(f"  {'host: target KV':<22} {mib(self.host_bytes):>10.1f} MiB (--kv-budget: every position)")
         return "\n".join(lines)
 
 
@@ -53,9 +57,10 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     cfg = target.cfg
     mirror, block_size = mirror_format(config.feature_dtype, target.dtype), config.block_size
     item = target.dtype.itemsize
+    resident = resident_positions(max_ctx, config)
     parts = {
         "target weights": target.weight_bytes(),
-        "target KV cache": target.kv_bytes_per_token() * max_ctx + target.state_bytes(),
+        "target KV cache": target.kv_bytes_per_token() * resident + target.state_bytes(),
         "rope tables": target.rotary.table_bytes(cfg.positions, target.dtype),
     }
     window = None
@@ -79,7 +84,11 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         parts["drafter mirror"] = 0 if same else slots * (mirror_row + TAG_BYTES) + scales
         # layers of one capacity share a tag ring (drafter.DrafterContext)
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
-    parts["workspace"] = _workspace(cfg, item, max_ctx, min(config.chunk, max_ctx), block, width)
+    host = 0
+    if resident < max_ctx:  # kv_budget.py: every page's key minima and maxima, K/V's size a page
+        parts["KV page summaries"] = target.kv_bytes_per_token() * -(-max_ctx // PAGE)
+        host = target.kv_bytes_per_token() * max_ctx
+    parts["workspace"] = _workspace(cfg, item, resident, min(config.chunk, max_ctx), block, width)
     if dequantized := dequantized_slice_bytes(target, item):  # a prefill projection by a quantized weight
         parts["dequantized weight slice"] = dequantized
     parts["token counts"] = cfg.vocab_size * 5  # the penalties' int32 output counts and bool prompt set
@@ -87,7 +96,12 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     parts["cuBLAS workspaces"] = blas_workspaces(torch.device(device), config.cuda_graphs, aside)
     if config.prefix_cache:
         parts["prefix cache"] = prefix_cache_bytes(target, drafter, max_ctx, config, device)[0]
-    return MemoryPlan(max_ctx, window, mirror.name, parts)
+    return MemoryPlan(max_ctx, window, mirror.name, parts, host)
+
+
+def resident_positions(max_ctx: int, config: EngineConfig) -> int:
+    """Positions of target KV on the device: the context's, or the KV budget where it is smaller."""
+    return min(max_ctx, config.kv_budget or max_ctx)
 
 
 def prefix_cache_bytes(target, drafter, max_ctx: int, config: EngineConfig,

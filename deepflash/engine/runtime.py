@@ -173,6 +173,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int,
                    help="prompt tokens per prefill forward (a power of two): bounds prefill's activation memory "
                         f"(default: {DEFAULT_PREFILL_CHUNK}, halved on CUDA until the memory plan fits)")
+    g.add_argument("--kv-budget", type=int, metavar="TOKENS",
+                   help="keep at most TOKENS positions of target KV on the device, every position in host memory, the "
+                        "resident ones chosen by relevance (recent window, attention sink, pages by key-summary "
+                        "score); changes the output past TOKENS, so off by default (serve: turns the prefix cache off)")
     g.add_argument("--ring-kernels", default="auto", choices=list(RING_KERNELS),
                    help="feature-ring kernels (auto: triton on CUDA, else torch)")
     g.add_argument("--target-kernels", default="auto", choices=list(TARGET_KERNELS),
@@ -197,7 +201,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, draft=args.draft, no_draft=args.no_draft, block_size=args.block_size,
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=cap, trained_ctx=args.trained_ctx,
-                        spec=args.spec, prefill_chunk=args.prefill_chunk, rope_scaling=args.rope_scaling,
+                        spec=args.spec, prefill_chunk=args.prefill_chunk, kv_budget=args.kv_budget, rope_scaling=args.rope_scaling,
                         gguf_weights="dequantized" if args.dequantize else "auto", quantize=args.quantize,
                         ring_kernels=args.ring_kernels,
                         target_kernels=args.target_kernels).validated()

@@ -8,6 +8,8 @@ from ..errors import UserError
 from ..kernels.config import SHIPPED, KernelConfig
 from ..quant.weight import QuantizedLinear, QuantizedWeight, stored_bytes, stored_elements, tensor_bytes
 from .config import ModelConfig
+from .kv_budget import BudgetKVCache, KVBudget
+from .kv_cache import KVCache
 from .layers import DECODE, FusedProjections, embedding_rows, final_norm, forward_mask, tap
 
 TARGET_KERNELS = ("auto", "torch", "triton")  # TargetModel.use_kernels
@@ -131,6 +133,15 @@ class TargetModel(FusedProjections):
 
     def parameter_count(self) -> int:
         return stored_elements(self)
+
+    def attention_cache(self, layers: int, batch: int, max_len: int, budget: KVBudget | None) -> KVCache:
+        """The attention layers' cache: every position on the device, or a bounded pool of `budget` positions
+        (kv_budget.py) where it holds fewer than max_len."""
+        cfg = self.cfg
+        if budget is None or budget.tokens >= max_len:
+            return KVCache(layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
+        return BudgetKVCache(layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, cfg.num_heads, self.dtype,
+                             self.device, budget)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of KV cache one position occupies (all attention layers, K and V)."""

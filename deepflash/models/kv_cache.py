@@ -30,6 +30,14 @@ class KVCache:
         self.k[layer].index_copy_(2, positions, k)
         self.v[layer].index_copy_(2, positions, v)
 
+    def slots(self, positions: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, int]:
+        """Where the positions' K/V sit and how many slots attention spans: the positions themselves and
+        kv_len here; a bounded cache (kv_budget.py) maps them into its pool."""
+        return positions, kv_len
+
+    def note_query(self, layer: int, q: torch.Tensor) -> None:
+        """A step's queries q [B, H, T, D] of `layer`: a bounded cache scores its pages with them."""
+
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
 

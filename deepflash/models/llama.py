@@ -11,6 +11,7 @@ from torch import nn
 from ..kernels.config import KernelConfig
 from .base import TargetModel
 from .config import ModelConfig
+from .kv_budget import KVBudget
 from .kv_cache import KVCache
 from .layers import (DECODE, MLP, Pending, RMSNorm, Rotary, SparseMoe, apply_rotary, attention, fuse_linears,
                      fused_norm, linear_rows, norm_linear, read_by_torch_gemm)
@@ -47,6 +48,7 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
         q = rope_and_write(qkv, cos, sin, positions, cache.k[layer], cache.v[layer], self.heads, self.kv_heads,
                            *norms, tokens=kernels.rope_tokens)
+        cache.note_query(layer, q)
         # decode and verify steps (LlamaModel.attention_mask): one kernel for both, so that a verified
         # token is computed exactly as a decoded one
         if mask is DECODE:
@@ -68,6 +70,7 @@ class Attention(nn.Module):
         else:  # q and k side by side in the fused output: one rope pass (3 kernels) for both
             q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=2)
         cache.write(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
+        cache.note_query(layer, q.transpose(1, 2))
         keys, values = cache.read(layer, kv_len)
         out = attention(q.transpose(1, 2), keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -130,9 +133,8 @@ class LlamaModel(TargetModel):
         self.tie_weights()
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        cfg = self.cfg
-        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
+    def new_cache(self, batch: int, max_len: int, kv_budget: KVBudget | None = None) -> KVCache:
+        return self.attention_cache(self.cfg.num_layers, batch, max_len, kv_budget)
 
     def forward(self, tokens, positions, cache, kv_len=None, *, capture=(), logits="all", key_mask=None,
                 on_features=None):
@@ -142,6 +144,8 @@ class LlamaModel(TargetModel):
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
-        mask = self.attention_mask(positions, kv_len, key_mask, x.dtype)
-        return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, positions, cache, i, kv_len, mask),
+        # rope above takes the positions; the cache writes and attention take their slots (kv_cache.slots)
+        slots, span = cache.slots(positions, kv_len)
+        mask = self.attention_mask(slots, span, key_mask, x.dtype)
+        return self.run_layers(x, lambda i, layer, h: layer(h, cos, sin, slots, cache, i, span, mask),
                                capture, logits, on_features)

@@ -22,6 +22,7 @@ from .base import TargetModel
 from .config import ModelConfig
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
 from .hybrid_cache import ROLLBACK_MODES, HybridCache
+from .kv_budget import KVBudget
 from .kv_cache import KVCache
 from .layers import DECODE, MLP, Rotary, SparseMoe, apply_rotary, attention, linear_rows
 
@@ -65,9 +66,9 @@ class Step:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # the slots of the forward's positions in the attention cache (KVCache.slots)
     cache: HybridCache
-    kv_len: int
+    kv_len: int  # the slots attention spans
     mask: torch.Tensor | str  # folded mask, layers.CAUSAL or layers.DECODE (Qwen35Model.attention_mask)
     live: torch.Tensor | None  # [B, T], False on left padding
 
@@ -97,6 +98,7 @@ class GatedAttention(nn.Module):
         v = self._project(self.v_proj, x).view(b, t, self.kv_heads, self.head_dim)
         kv = step.cache.kv
         kv.write(self.slot, step.positions, k.transpose(1, 2), v.transpose(1, 2))
+        kv.note_query(self.slot, q.transpose(1, 2))
         out = self._attend(q.transpose(1, 2), kv, step).transpose(1, 2).reshape(b, t, -1)
         return self._project(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)))
 
@@ -197,15 +199,14 @@ class Qwen35Model(TargetModel):
             out[name.replace("model.language_model.", "model.", 1)] = tensor
         return super().prepare_state_dict(out, cfg)
 
-    def new_cache(self, batch: int, max_len: int, *, rollback: str = "capture",
+    def new_cache(self, batch: int, max_len: int, kv_budget: KVBudget | None = None, *, rollback: str = "capture",
                   rollback_tokens: int = 64) -> HybridCache:
         """rollback: how keep(n) restores the DeltaNet states, "capture" or "replay" (hybrid_cache.py);
         rollback_tokens: the longest forward that can be rolled back (at least the verify block)."""
         if rollback not in ROLLBACK_MODES:
             raise UserError(f"rollback must be one of {', '.join(ROLLBACK_MODES)}, got {rollback!r}")
         cfg, s = self.cfg, self.shape
-        kv = KVCache(self.attention_layer_count(), batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype,
-                     self.device)
+        kv = self.attention_cache(self.attention_layer_count(), batch, max_len, kv_budget)
         return HybridCache(kv, self.linear_layer_count(), batch, s.conv_channels, s.conv_kernel - 1,
                            (s.value_heads, s.key_dim, s.value_dim), self.dtype, self.state_dtype, self.device,
                            rollback, rollback_tokens)
@@ -223,8 +224,10 @@ class Qwen35Model(TargetModel):
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         live = None if key_mask is None else key_mask[:, positions]
-        mask = self.attention_mask(positions, kv_len, key_mask, x.dtype)
-        step = Step(cos, sin, positions, cache, kv_len, mask, live)
+        # rope above takes the positions; the cache writes and attention take their slots (kv_cache.slots)
+        slots, span = cache.kv.slots(positions, kv_len)
+        mask = self.attention_mask(slots, span, key_mask, x.dtype)
+        step = Step(cos, sin, slots, cache, span, mask, live)
         return self.run_layers(x, lambda i, layer, h: layer(h, step), capture, logits, on_features)
 
     # --- cost accounting -------------------------------------------------------------------------------

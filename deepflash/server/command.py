@@ -37,7 +37,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.queue_size < 1:
         raise UserError(f"--queue-size must be >= 1, got {args.queue_size}")
-    config = replace(engine_config(args), prefix_cache=not args.no_prefix_cache, prefix_cache_mb=args.prefix_cache_mb,
+    # the prefix cache saves whole-context KV, which a KV budget does not keep on the device (--kv-budget's help)
+    prefix_cache = not args.no_prefix_cache and args.kv_budget is None
+    config = replace(engine_config(args), prefix_cache=prefix_cache, prefix_cache_mb=args.prefix_cache_mb,
                      prefix_cache_host_mb=args.prefix_cache_host_mb)
     rt = load_runtime(config.validated())
     app = create_app(rt.engine, rt.tokenizer, rt.model_name, queue_size=args.queue_size, draft_name=rt.draft_name)
