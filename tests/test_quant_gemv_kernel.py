@@ -127,7 +127,7 @@ def test_a_split_reduction_adds_its_slices_in_order(qtype):
     for slices, expect in ((2, 2), (3, 2), (4, 4)):
         assert quant_gemv.plan(int(qtype), n, cols, tile, 1, slices)[1:] == (4, expect, 4 // expect)
         got = run(x, blocks, qtype, cols, bias, slices=slices)
-        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-4)  # the slices sum in another association
         assert not quant_gemv.arrival_counters("quant_gemv", quant_gemv.MAX_BLOCKS, torch.device(DEVICE)).any()
 
 

@@ -10,7 +10,7 @@ import torch
 from deepflash.errors import NotFound, UserError
 from deepflash.loading import gguf as gguf_files
 from deepflash.loading import weights
-from deepflash.loading.targets import load_target
+from deepflash.loading.targets import keeps_quantized, load_target
 from deepflash.quant.weight import QuantizedWeight
 
 
@@ -102,6 +102,19 @@ def test_gguf_loads_kept_quantized_or_dequantized_and_matches(tmp_path, monkeypa
     with torch.no_grad():
         again = other(ids, torch.arange(12), other.new_cache(1, 16))[0]
         torch.testing.assert_close(again, ours(ids, torch.arange(12), ours.new_cache(1, 16))[0])
+
+
+def test_auto_keeps_gguf_blocks_on_cuda_only_where_the_float_weights_would_not_fit(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, tiny_hf_llama())
+    floats = gguf_files.float_bytes(path, torch.bfloat16)
+    assert floats == sum(p.numel() for p in tiny_hf_llama().state_dict().values()) * 2
+    for free, kept in ((2 * floats, False), (2 * floats - 2, True)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 4 * free))
+        assert keeps_quantized("auto", "cuda", path, torch.bfloat16) is kept
+    assert not keeps_quantized("auto", "cpu", path, torch.bfloat16)
+    assert keeps_quantized("quantized", "cpu", path, torch.bfloat16)
+    assert not keeps_quantized("dequantized", "cuda", path, torch.bfloat16)
 
 
 def test_gguf_type_not_kept_quantized_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ bandwidth), peak memory against the memory plan. Then, with a z-lab-shaped rando
 40960, the device time of a draft and of a 16-token verify at each depth (each timed alone as a CUDA graph).
 Past the model's 40960 positions the rope is stretched with YaRN (--rope-scaling yarn:4 by default). With
 --kv-budget TOKENS, plain decoding again at --budget-depths with at most TOKENS positions of KV on the device
-(models/kv_budget.py): its decode tok/s by depth and the pool's rebuilds (the bytes a step reads count the
-resident positions only).
+(models/kv_budget.py): its decode tok/s by depth over --budget-new-tokens, rebuilds included, and the pool's
+rebuilds (the bytes a step reads count the resident positions only).
 
     deepflash bench depth --out benchmarks/long-context/depth.json
 """
@@ -57,12 +57,11 @@ def plain_row(engine: Engine, depth: int, max_new: int, bandwidth: float) -> dic
     return row
 
 
-def budget_rows(target, tokenizer, config: EngineConfig, args, bandwidth: float) -> list[dict]:
-    """Plain decoding at --budget-depths with at most --kv-budget positions of KV on the device."""
-    depths = [int(d) for d in args.budget_depths.split(",")]
+def budget_rows(target, tokenizer, config: EngineConfig, depths: list[int], args, bandwidth: float) -> list[dict]:
+    """Plain decoding at `depths` with at most --kv-budget positions of KV on the device."""
     engine = Engine(target, tokenizer, config=replace(config, kv_budget=args.kv_budget))
     engine.stop_ids = frozenset()
-    rows = [plain_row(engine, depth, args.max_new_tokens, bandwidth) for depth in depths]
+    rows = [plain_row(engine, depth, args.budget_new_tokens, bandwidth) for depth in depths]
     table(f"the same with --kv-budget {args.kv_budget}", ["depth", "prefill tok/s", "decode tok/s", "bandwidth",
                                                           "rebuilds"],
           [[r["depth"], r["prefill_tok_per_s"], r["decode_tok_per_s"], r["bandwidth_fraction"], r["rebuilds"]]
@@ -100,7 +99,8 @@ def run(args) -> dict:
     cfg = ModelConfig.from_hf(QWEN3_8B)
     if args.rope_scaling:
         cfg = cfg.with_rope_scaling(args.rope_scaling)
-    max_ctx = max(depths) + args.max_new_tokens + 64
+    budget_depths = [int(d) for d in args.budget_depths.split(",")] if args.kv_budget else []
+    max_ctx = max([d + args.max_new_tokens for d in depths] + [d + args.budget_new_tokens for d in budget_depths]) + 64
     target = random_model(cfg, device=device, dtype=torch.bfloat16, seed=0, std=0.02, on_device=True)
     tokenizer = word_tokenizer(cfg.vocab_size)
     record = {"bench": "depth", **environment(device), "copy_bandwidth_gb_s": bandwidth, "max_ctx": max_ctx,
@@ -121,7 +121,8 @@ def run(args) -> dict:
     del engine
     torch.cuda.empty_cache()
     if args.kv_budget:
-        record["kv_budget"] = {"tokens": args.kv_budget, "plain": budget_rows(target, tokenizer, config, args, bandwidth)}
+        record["kv_budget"] = {"tokens": args.kv_budget,
+                               "plain": budget_rows(target, tokenizer, config, budget_depths, args, bandwidth)}
         save(record, args.out)
     drafter = random_drafter(device)
     spec_ctx = max(d for d in depths if d <= args.spec_max_depth) + 64
@@ -146,5 +147,8 @@ def register(sub) -> None:
     p.add_argument("--spec-max-depth", type=int, default=65536, help="deepest prompt the DFlash steps are timed at")
     p.add_argument("--kv-budget", type=int, help="also decode with at most this many positions of KV on the device")
     p.add_argument("--budget-depths", default="16384,131072", help="the depths --kv-budget is timed at")
+    p.add_argument("--budget-new-tokens", type=int, default=2048,
+                   help="tokens decoded per --kv-budget request: the pool is rebuilt every budget / 8 of them, so the "
+                        "rate counts the rebuilds as decoding meets them")
     p.add_argument("--out", help="JSON file")
     p.set_defaults(func=run)

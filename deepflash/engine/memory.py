@@ -87,7 +87,7 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
     host = 0
     if resident < max_ctx:  # kv_budget.py: every page's key minima and maxima, K/V's size a page
         parts["KV page summaries"] = target.kv_bytes_per_token() * -(-max_ctx // PAGE)
-        host = target.kv_bytes_per_token() * max_ctx
+        host = target.kv_bytes_per_token() * -(-max_ctx // PAGE) * PAGE
     parts["workspace"] = _workspace(cfg, item, resident, min(config.chunk, max_ctx), block, width)
     if dequantized := dequantized_slice_bytes(target, item):  # a prefill projection by a quantized weight
         parts["dequantized weight slice"] = dequantized

@@ -128,8 +128,8 @@ def meta_models(cfg: EngineConfig) -> tuple[TargetModel, DFlashDrafter | None]:
     if cfg.rope_scaling:
         tcfg = tcfg.with_rope_scaling(cfg.rope_scaling)
     draft_path = None if cfg.no_draft else (cfg.draft or default_drafter(cfg.model))
-    if gguf_file(cfg.model) is not None:  # its tensor types decide the weights' bytes: read the header
-        weights = "quantized" if keeps_quantized(cfg.gguf_weights, device) else "dequantized"
+    if (gguf := gguf_file(cfg.model)) is not None:  # its tensor types decide the weights' bytes: read the header
+        weights = "quantized" if keeps_quantized(cfg.gguf_weights, device, gguf, dtype) else "dequantized"
         target = load_target(cfg.model, "meta", dtype, cfg.rope_scaling, weights)[0]
     with torch.device("meta"):
         if gguf_file(cfg.model) is None:
@@ -158,9 +158,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-scaling", metavar="yarn:FACTOR",
                    help="stretch the target's rope with YaRN to FACTOR x its native window, so that --max-ctx may go "
                         "past max_position_embeddings (quality out there is the model's; default: the checkpoint's)")
-    g.add_argument("--dequantize", action="store_true",
-                   help="convert a GGUF target's quantized matrices to --dtype at load (default: on CUDA they stay in "
-                        "their blocks, read by Triton kernels; on the CPU they are always converted)")
+    blocks = g.add_mutually_exclusive_group()
+    blocks.add_argument("--dequantize", action="store_true",
+                        help="convert a GGUF target's quantized matrices to --dtype at load (default: so where their "
+                             "converted form takes at most half the free device memory, and always on the CPU)")
+    blocks.add_argument("--keep-quantized", action="store_true",
+                        help="keep a GGUF target's matrices in their blocks on CUDA, read by Triton kernels (default: "
+                             "only where their converted form would take more than half the free device memory; "
+                             "fewer bytes, slower steps so far)")
     g.add_argument("--quantize", choices=["int8", "int4"],
                    help="quantize a Hugging Face target's linear layers and experts at load: int8 as Q8_0 blocks, "
                         "int4 as Q4_1 blocks (32 weights a scale; the GGUF kernels read them)")
@@ -195,6 +200,11 @@ def _max_ctx(value: str) -> int | str:
         raise argparse.ArgumentTypeError("expected a number of tokens or 'auto'") from None
 
 
+def gguf_weights(args: argparse.Namespace) -> str:
+    """--dequantize / --keep-quantized as EngineConfig.gguf_weights."""
+    return "dequantized" if args.dequantize else "quantized" if args.keep_quantized else "auto"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The flags of add_engine_args (and the environment's memory valve) as one config."""
     cap = args.feat_ring_cap if args.feat_ring_cap is not None else ring_cap_from_env()
@@ -202,6 +212,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, dtype=args.dtype, max_ctx=args.max_ctx,
                         feature_dtype=args.feature_dtype, feat_ring_cap=cap, trained_ctx=args.trained_ctx,
                         spec=args.spec, prefill_chunk=args.prefill_chunk, kv_budget=args.kv_budget, rope_scaling=args.rope_scaling,
-                        gguf_weights="dequantized" if args.dequantize else "auto", quantize=args.quantize,
+                        gguf_weights=gguf_weights(args), quantize=args.quantize,
                         ring_kernels=args.ring_kernels,
                         target_kernels=args.target_kernels).validated()

@@ -70,6 +70,11 @@ def _read_gguf(path: Path):
         raise UserError(f"{path} is not a readable GGUF file ({err})") from None
 
 
+def float_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes of the file's tensors converted to `dtype` (its header alone is read)."""
+    return sum(int(np.prod(t.shape)) for t in _read_gguf(path).tensors) * dtype.itemsize
+
+
 def _write_header(path: Path, out: Path) -> None:
     reader = _read_gguf(path)
     # the tokenizer's arrays are read by _save_gguf_tokenizer; its scalars (bos/eos ids) go to the config

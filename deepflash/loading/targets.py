@@ -12,7 +12,7 @@ from ..models.config import ModelConfig
 from ..quant.experts import ExpertBlocks, GateUp, QuantizedExperts, dequantized
 from ..quant.quantize import quantize_format, quantize_state
 from ..quant.weight import QuantizedWeight, quantize_modules
-from .gguf import gguf_state
+from .gguf import float_bytes, gguf_state
 from .weights import fuse_experts, gguf_file, load_tensors, read_config, resolve_model, safetensors_files
 
 
@@ -50,16 +50,21 @@ def build_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device, d
 
 
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")  # load_target's gguf_weights
+# 'auto' keeps a GGUF target in its blocks where its float form would take more than this share of the device's
+# free memory: the block kernels read 2-4x fewer bytes but decode slower than the bf16 path so far (a Qwen3-8B
+# shape in Q4_K_M at 0.69x bf16 on an H100, BENCHMARKS.md), so blocks are for targets that do not fit otherwise
+AUTO_FLOAT_SHARE = 0.5
 
 
-def keeps_quantized(gguf_weights: str, device) -> bool:
-    """Whether a GGUF target's matrices stay in their blocks: 'auto' keeps them on CUDA, where the Triton
-    kernels read them (kernels/quant_gemv.py); on the CPU no kernel does, and every step would
-    dequantize every weight."""
+def keeps_quantized(gguf_weights: str, device, gguf: Path, dtype: torch.dtype) -> bool:
+    """Whether the matrices of the GGUF file `gguf` stay in their blocks: 'auto' keeps them on CUDA where their
+    `dtype` form would not fit AUTO_FLOAT_SHARE of the free memory; on the CPU no kernel reads blocks, and every
+    step would dequantize every weight."""
     if gguf_weights not in GGUF_WEIGHTS:
         raise UserError(f"GGUF weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}")
     if gguf_weights == "auto":
-        return torch.device(device).type == "cuda"
+        device = torch.device(device)
+        return device.type == "cuda" and float_bytes(gguf, dtype) > AUTO_FLOAT_SHARE * torch.cuda.mem_get_info(device)[0]
     return gguf_weights == "quantized"
 
 
@@ -78,8 +83,9 @@ def load_target(spec: str | None, device="cpu", dtype=torch.float32, rope_scalin
     if (gguf := gguf_file(spec)) is not None:
         if quantize:
             raise UserError("--quantize is for Hugging Face checkpoints: a GGUF file's weights are quantized "
-                            "already (they stay so on CUDA; --dequantize converts them)")
-        state = gguf_state(gguf, read_config(folder), device, dtype, keeps_quantized(gguf_weights, device))
+                            "already (--keep-quantized keeps their blocks on CUDA, --dequantize converts them)")
+        kept = keeps_quantized(gguf_weights, device, gguf, dtype)
+        state = gguf_state(gguf, read_config(folder), device, dtype, kept)
     else:
         # to be quantized, the float weights wait on the host: a card that holds the quantized model may not
         # hold the float one

@@ -19,10 +19,11 @@ Rebuilt (make_room, between steps, on the host) when a step's positions would ru
 - positions [R0, R0') leave the recent region (R0' = the committed length less `recent`, on a page): their K/V
   go to the host copy and their pages get key summaries (the elementwise min and max of each kv head's keys
   over the page, as Quest scores pages);
-- each layer scores every page below R0' with the queries of the last step (note_query): the upper bound of each
-  query head's score over the page's keys (sum over dims of max(q * kmin, q * kmax)), softmaxed over the pages
-  per head and summed over heads, an estimate of the attention mass the page would get; page 0 (the attention
-  sink) always stays; the top `selected` pages, in position order, fill slots [0, base');
+- each kv head of each layer scores every page below R0' with the queries of the last step (note_query): the
+  upper bound of each of its query heads' scores over the page's keys (sum over dims of max(q * kmin, q * kmax)),
+  softmaxed over the pages and summed over its query heads, an estimate of the attention mass the page would get;
+  page 0 (the attention sink) always stays; the kv head's top `selected` pages, in position order, fill its slots
+  [0, base') (heads attend to different things: an induction head's page is not a summarising head's);
 - the recent positions [R0', end) move to slots base' onward.
 Pages already on the device are moved there; only pages that come back are copied from the host.
 """
@@ -38,7 +39,7 @@ import torch
 from ..errors import UserError
 from .kv_cache import KVCache
 
-PAGE = 64  # positions a page: the unit of selection and of host <-> device copies
+PAGE = 16  # positions a page: the unit of selection and of host <-> device copies
 HOST_SHARE = 0.8  # of the machine's RAM the host copy may take
 
 
@@ -94,9 +95,10 @@ class BudgetKVCache(KVCache):
         super().__init__(num_layers, 1, num_kv_heads, budget.tokens, head_dim, dtype, device)
         self.max_len, self.budget = max_len, budget
         pinned = torch.device(device).type == "cuda"
-        host = (num_layers, num_kv_heads, max_len, head_dim)
+        # every position, written when it leaves the recent region (only those are read back), page by page with
+        # every layer's rows of a page together: a rebuild's pages leave in one contiguous copy
+        host = (_pages(max_len), num_layers, num_kv_heads, PAGE, head_dim)
         _check_host_memory(2 * math.prod(host) * dtype.itemsize, max_len)
-        # every position, written when it leaves the recent region; only those are read back
         self.host_k = torch.empty(host, dtype=dtype, pin_memory=pinned)
         self.host_v = torch.empty(host, dtype=dtype, pin_memory=pinned)
         summaries = (num_layers, num_kv_heads, _pages(max_len), head_dim)
@@ -111,7 +113,8 @@ class BudgetKVCache(KVCache):
         self.recent_start = 0  # R0
         self.base = 0  # slots of selected pages
         self.written = 0  # positions written at most (the end of the recent region's contents)
-        self.pages = torch.empty((self.k.shape[0], 0), dtype=torch.long)  # each layer's selected pages (host)
+        layers, _, kv_heads = self.k.shape[:3]
+        self.pages = torch.empty((layers, kv_heads, 0), dtype=torch.long)  # each kv head's selected pages (host)
         self.shift.zero_()
         self.rebuilds = 0
 
@@ -152,10 +155,10 @@ class BudgetKVCache(KVCache):
         assert start >= self.recent_start, (committed, start, self.recent_start)
         self._retire(self.recent_start, start)
         pages = self._choose(start // PAGE)
-        base = pages.shape[1] * PAGE
+        base = pages.shape[2] * PAGE
         for layer in range(self.k.shape[0]):
             for pool, host in ((self.k, self.host_k), (self.v, self.host_v)):
-                self._refill(pool[layer, 0], host[layer], self.pages[layer], pages[layer], base, start)
+                self._refill(pool[layer, 0], host[:, layer], self.pages[layer], pages[layer], base, start)
         self.pages, self.base, self.recent_start = pages, base, start
         self.shift.fill_(start - base)
         self.rebuilds += 1
@@ -165,51 +168,55 @@ class BudgetKVCache(KVCache):
         if hi <= lo:
             return
         slots = slice(lo - self.recent_start + self.base, hi - self.recent_start + self.base)
-        self.host_k[:, :, lo:hi].copy_(self.k[:, 0, :, slots])
-        self.host_v[:, :, lo:hi].copy_(self.v[:, 0, :, slots])
+        for pool, host in ((self.k, self.host_k), (self.v, self.host_v)):
+            by_page = pool[:, 0, :, slots].unflatten(2, (-1, PAGE)).permute(2, 0, 1, 3, 4)  # [pages, layers, Hkv, ...]
+            host[lo // PAGE : hi // PAGE].copy_(by_page.contiguous())  # one contiguous device-to-host copy
         keys = self.k[:, 0, :, slots].unflatten(2, (-1, PAGE))  # [layers, Hkv, pages, PAGE, D]
         self.key_min[:, :, lo // PAGE : hi // PAGE] = keys.amin(dim=3)
         self.key_max[:, :, lo // PAGE : hi // PAGE] = keys.amax(dim=3)
 
     def _choose(self, candidates: int) -> torch.Tensor:
-        """Each layer's selected pages among [0, candidates), ascending: [layers, n] (host, int64)."""
+        """Each kv head's selected pages among [0, candidates), ascending: [layers, Hkv, n] (host, int64)."""
         n = min(self.budget.selected, candidates)
+        layers, _, kv_heads = self.k.shape[:3]
         if n == candidates:
-            return torch.arange(n).expand(self.k.shape[0], n).clone()
+            return torch.arange(n).expand(layers, kv_heads, n).clone()
         chosen = []
-        for layer in range(self.k.shape[0]):  # a layer at a time: the bounds are [H, pages, D] in float32
+        for layer in range(layers):  # a layer at a time: the bounds are [H, pages, D] in float32
             mass = page_mass(self.query[layer], self.key_min[layer, :, :candidates], self.key_max[layer, :, :candidates])
-            mass[0] = math.inf  # the attention sink
+            mass[:, 0] = math.inf  # the attention sink
             chosen.append(mass.topk(n).indices.sort().values)
         return torch.stack(chosen).cpu()
 
     def _refill(self, pool: torch.Tensor, host: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
                 base: int, start: int) -> None:
-        """One layer's K or V pool [Hkv, budget, D] rebuilt: pages `new` in slots [0, base), positions
-        [start, written) from slot base. Pages the pool holds are moved; the others come from the host."""
+        """One layer's K or V pool [Hkv, budget, D] rebuilt from it and its host pages [pages, Hkv, PAGE, D]: pages
+        `new` in slots [0, base), positions [start, written) from slot base. Pages the pool holds are moved; the
+        others come from the host."""
         recent = pool[:, self.base + start - self.recent_start : self.base + self.written - self.recent_start].clone()
-        # where each new page's positions are now: a slot of the pool, or only on the host (-1)
-        held = {page: slot for slot, page in enumerate(old.tolist())}
-        source = torch.tensor([held.get(page, -1) for page in new.tolist()], dtype=torch.long)
+        # where each kv head's new pages [Hkv, n] are now: a page slot of its pool, or only on the host (-1)
+        unheld = torch.full((old.shape[0], 1), -1)  # a column never matched: the first rebuild holds no page
+        same = new[:, :, None] == torch.cat([old, unheld], dim=1)[:, None, :]  # [Hkv, n, old n + 1]
+        source = torch.where(same.any(dim=2), same.int().argmax(dim=2), -1)
         in_recent = (new * PAGE >= self.recent_start) & (source < 0)
         source[in_recent] = (new[in_recent] * PAGE - self.recent_start + self.base) // PAGE  # whole pages there
         device = pool.device
         by_page = pool[:, : (pool.shape[1] // PAGE) * PAGE].unflatten(1, (-1, PAGE))  # [Hkv, pages, PAGE, D]
-        gathered = by_page[:, source.clamp(min=0).to(device)]
+        heads = torch.arange(pool.shape[0])[:, None].expand_as(new)
+        gathered = by_page[heads.to(device), source.clamp(min=0).to(device)]  # [Hkv, n, PAGE, D]
         fetch = source < 0
         if bool(fetch.any()):
-            positions = (new[fetch][:, None] * PAGE + torch.arange(PAGE)).flatten()
-            rows = host.index_select(1, positions).unflatten(1, (-1, PAGE)).to(device, non_blocking=True)
-            gathered[:, fetch.to(device)] = rows
+            gathered[fetch.to(device)] = host[new[fetch], heads[fetch]].to(device)  # [fetched, PAGE, D]
         pool[:, :base] = gathered.flatten(1, 2)
         pool[:, base : base + recent.shape[1]] = recent
 
 
 def page_mass(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
-    """Estimated attention mass of each page: query [H, D], key summaries [Hkv, P, D] -> [P] float32. Per query
-    head, the upper bound of its scaled score over a page's keys, softmaxed over the pages; summed over heads."""
+    """Estimated attention mass of each page for each kv head: query [H, D], key summaries [Hkv, P, D] -> [Hkv, P]
+    float32. Per query head, the upper bound of its scaled score over a page's keys, softmaxed over the pages;
+    summed over the kv head's query heads."""
     heads, dim = query.shape
     kv_heads = key_min.shape[0]
     q = query.float().view(kv_heads, heads // kv_heads, 1, dim)
     bound = torch.maximum(q * key_min.float()[:, None], q * key_max.float()[:, None]).sum(-1)  # [Hkv, G, P]
-    return (bound / math.sqrt(dim)).softmax(dim=-1).sum(dim=(0, 1))
+    return (bound / math.sqrt(dim)).softmax(dim=-1).sum(dim=1)
