@@ -180,11 +180,10 @@ class Engine:
             self.prefix = PrefixReuse(index, self.cache, features, self.steps.catch_up, config.chunk)
 
     def _kv_budget(self) -> KVBudget | None:
-        """The bounded cache's sizes (--kv-budget): a step asks room for a prefill chunk, or for the steps in
-        flight and the next."""
+        """The bounded cache's sizes (--kv-budget): a forward writes a prefill chunk or a verify block."""
         if self.config.kv_budget is None:
             return None
-        return KVBudget(self.config.kv_budget, max(self.config.chunk, (PIPELINE_DEPTH + 1) * self.block_size))
+        return KVBudget(self.config.kv_budget, max(self.config.chunk, self.block_size))
 
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -329,20 +328,31 @@ class Engine:
         reads its inputs from the device state the previous one left, so queueing needs no host sync;
         the GPU then never waits for the host's sync, detokenization and next launch."""
         while len(inflight) < PIPELINE_DEPTH and not seq.tracker.finished and self._room(seq, inflight) > 0:
-            inflight.append(self._launch(seq, inflight, timer))
+            launched = self._launch(seq, inflight, timer)
+            if launched is None:  # a bounded cache's rebuild waits for the steps in flight
+                return
+            inflight.append(launched)
 
     @torch.no_grad()
-    def _launch(self, seq: Sequence, inflight: deque[Launched], timer: PhaseTimer) -> Launched:
-        """Schedule and start one step (plain or speculative) on the device; nothing waits for it."""
+    def _launch(self, seq: Sequence, inflight: deque[Launched], timer: PhaseTimer) -> Launched | None:
+        """Schedule and start one step (plain or speculative) on the device; nothing waits for it. None: a
+        bounded cache must be rebuilt first, at the committed length the steps in flight will leave."""
         # full blocks up to the end of the output: tokens past max_new_tokens are dropped by the tracker,
         # and a block cut to the few tokens still wanted would capture a new graph per size; only the end
         # of the context shortens a block
         size = min(self.block_size, self._context_room(seq, inflight))
         processed = self._processed_bound(seq, inflight)
         began = time.perf_counter()
-        # a bounded cache's rebuild (host work, a sync) is not the step's cost; each step in flight commits one
-        # token at least
-        rebuilt = self.bounded and self.kv.make_room(seq.processed + len(inflight), processed + size)
+        rebuilt = False
+        if self.bounded:
+            # the pool is rebuilt at exactly rebuild_at, as plain decoding meets it: a speculative block ends
+            # there, and the rebuild waits until the host knows the committed length (no step in flight)
+            if processed >= self.kv.rebuild_at:
+                if inflight:
+                    return None
+                rebuilt = self.kv.make_room(processed, processed)  # host work and a sync: not the step's cost
+            size = min(size, self.kv.rebuild_at - processed)
+            self.kv.make_room(processed, processed + size)
         params = seq.params
         window = self.window if self.drafter is not None else None
         region = kv_bucket(processed + self.block_size, self.max_ctx, window)  # step costs are per KV bucket

@@ -15,7 +15,8 @@ only a device scalar (shift) and the pool's contents change when the pool is reb
 stay valid. Until the first rebuild (R0 = base = shift = 0) the pool is the plain cache of the first `budget`
 positions: outputs equal full attention's.
 
-Rebuilt (make_room, between steps, on the host) when a step's positions would run past the recent region:
+Rebuilt (make_room, between steps, on the host) when the committed length reaches rebuild_at, a step's length
+before the recent region's end:
 - positions [R0, R0') leave the recent region (R0' = the committed length less `recent`, on a page): their K/V
   go to the host copy and their pages get key summaries (the elementwise min and max of each kv head's keys
   over the page, as Quest scores pages);
@@ -45,8 +46,8 @@ HOST_SHARE = 0.8  # of the machine's RAM the host copy may take
 
 @dataclass(frozen=True)
 class KVBudget:
-    """A bounded cache's sizes in positions: `tokens` on the device; `step_tokens`, the most positions past
-    the committed length one make_room call may ask for (a prefill chunk, the decode steps in flight)."""
+    """A bounded cache's sizes in positions: `tokens` on the device; `step_tokens`, the most positions one
+    forward may write (a prefill chunk, a verify block)."""
 
     tokens: int
     step_tokens: int
@@ -58,8 +59,9 @@ class KVBudget:
 
     @property
     def growth(self) -> int:
-        """Positions the recent region takes after a rebuild before the next one."""
-        return _pages(max(self.tokens // 8, self.step_tokens)) * PAGE
+        """Positions the recent region takes after a rebuild: the next one comes a page at least before a
+        step could run past it."""
+        return _pages(max(self.tokens // 8, self.step_tokens) + PAGE) * PAGE
 
     @property
     def selected(self) -> int:
@@ -139,13 +141,26 @@ class BudgetKVCache(KVCache):
     load_span = save_span
 
     # --- rebuilds (host side, between steps) ------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        """The first position the recent region cannot hold."""
+        return self.recent_start + self.k.shape[3] - self.base
+
+    @property
+    def rebuild_at(self) -> int:
+        """The committed length at which the pool is rebuilt: a step starting below it fits the recent region.
+        Keyed by position, so plain and speculative decoding rebuild at the same length with the same query,
+        if speculative steps end there (the engine cuts their blocks): their outputs stay equal."""
+        return self.limit - self.budget.step_tokens
+
     def make_room(self, committed: int, end: int) -> bool:
-        """Before a step that may write positions [committed, end): positions below `committed` are final.
-        Rebuilds the pool where `end` runs past the recent region (True then)."""
-        rebuild = end > self.recent_start + self.k.shape[3] - self.base
+        """Before a forward writing positions [committed, end) (at most step_tokens) on a committed length
+        `committed` (positions below it are final): rebuilds the pool first where that length has reached
+        rebuild_at (True then)."""
+        rebuild = committed >= self.rebuild_at
         if rebuild:
             self._rebuild(committed)
-            assert end <= self.recent_start + self.k.shape[3] - self.base, (committed, end, self.recent_start)
+        assert end <= self.limit, (committed, end, self.limit)
         self.written = max(self.written, end)
         return rebuild
 
