@@ -142,7 +142,7 @@ def test_generation_runs_past_the_budget(use_drafter):
 @pytest.mark.parametrize("block,wrong_every", [(4, None), (16, None), (16, 0), (16, 7)])
 def test_speculative_equals_plain_past_the_budget(monkeypatch, block, wrong_every):
     """The pool is rebuilt at the same committed lengths, with the same query, in both: their outputs are equal
-    through several rebuilds. Drafts: a random drafter's, or the true continuation (spoiled every few)."""
+    through several rebuilds (three or more while decoding). Drafts: a random drafter's, or the true continuation (spoiled every few)."""
     target = TARGETS["llama"]
     drafter = tiny_drafter(drafter_config(target.cfg))
     ids = prompt(700, seed=4)
@@ -151,7 +151,7 @@ def test_speculative_equals_plain_past_the_budget(monkeypatch, block, wrong_ever
     spec = engine(target, 512, drafter, spec="on", block_size=block)
     plain.stop_ids = spec.stop_ids = frozenset()  # 400 tokens whatever comes
     want = plain.complete(ids, params).token_ids
-    assert plain.kv.rebuilds >= 8 and len(want) == 400
+    assert plain.kv.rebuilds >= 5 and len(want) == 400
     if wrong_every is not None:
         oracle(monkeypatch, want, len(ids), wrong_every)
     out = spec.complete(ids, params)

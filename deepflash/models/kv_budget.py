@@ -40,7 +40,7 @@ import torch
 from ..errors import UserError
 from .kv_cache import KVCache
 
-PAGE = 16  # positions a page: the unit of selection and of host <-> device copies
+PAGE = 64  # positions a page: the unit of selection and of host <-> device copies
 HOST_SHARE = 0.8  # of the machine's RAM the host copy may take
 
 
