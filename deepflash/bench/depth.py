@@ -148,7 +148,7 @@ def register(sub) -> None:
     p.add_argument("--kv-budget", type=int, help="also decode with at most this many positions of KV on the device")
     p.add_argument("--budget-depths", default="16384,131072", help="the depths --kv-budget is timed at")
     p.add_argument("--budget-new-tokens", type=int, default=2048,
-                   help="tokens decoded per --kv-budget request: the pool is rebuilt every budget / 8 of them, so the "
-                        "rate counts the rebuilds as decoding meets them")
+                   help="tokens decoded per --kv-budget request: the pool is rebuilt about every budget / 8 of "
+                        "them, so the rate counts the rebuilds as decoding meets them")
     p.add_argument("--out", help="JSON file")
     p.set_defaults(func=run)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafter.features import drafter_window, mirror_format
-from ..models.kv_budget import PAGE
+from ..models.kv_budget import PAGE, pages_of
 from ..models.layers import folded_mask_bytes
 from ..quant.weight import dequantized_slice_bytes
 from .config import EngineConfig
@@ -86,8 +86,8 @@ def plan_memory(target, drafter, max_ctx: int, config: EngineConfig = EngineConf
         parts["drafter context K/V"] = sum(caps) * kv_row + sum(set(caps)) * TAG_BYTES
     host = 0
     if resident < max_ctx:  # kv_budget.py: every page's key minima and maxima, K/V's size a page
-        parts["KV page summaries"] = target.kv_bytes_per_token() * -(-max_ctx // PAGE)
-        host = target.kv_bytes_per_token() * -(-max_ctx // PAGE) * PAGE
+        parts["KV page summaries"] = target.kv_bytes_per_token() * pages_of(max_ctx)
+        host = target.kv_bytes_per_token() * pages_of(max_ctx) * PAGE
     parts["workspace"] = _workspace(cfg, item, resident, min(config.chunk, max_ctx), block, width)
     if dequantized := dequantized_slice_bytes(target, item):  # a prefill projection by a quantized weight
         parts["dequantized weight slice"] = dequantized

@@ -55,13 +55,13 @@ class KVBudget:
     @property
     def recent(self) -> int:
         """Positions before the committed length that stay resident at a rebuild (the recent window)."""
-        return _pages(self.tokens // 8) * PAGE
+        return pages_of(self.tokens // 8) * PAGE
 
     @property
     def growth(self) -> int:
         """Positions the recent region takes after a rebuild: the next one comes a page at least before a
         step could run past it."""
-        return _pages(max(self.tokens // 8, self.step_tokens) + PAGE) * PAGE
+        return pages_of(max(self.tokens // 8, self.step_tokens) + PAGE) * PAGE
 
     @property
     def selected(self) -> int:
@@ -85,7 +85,8 @@ def _check_host_memory(nbytes: int, max_len: int) -> None:
                         f"than {HOST_SHARE:.0%} of this machine's {ram / 2**30:.1f} GiB; lower --max-ctx")
 
 
-def _pages(positions: int) -> int:
+def pages_of(positions: int) -> int:
+    """Pages that hold `positions` positions."""
     return -(-positions // PAGE)
 
 
@@ -99,11 +100,11 @@ class BudgetKVCache(KVCache):
         pinned = torch.device(device).type == "cuda"
         # every position, written when it leaves the recent region (only those are read back), page by page with
         # every layer's rows of a page together: a rebuild's pages leave in one contiguous copy
-        host = (_pages(max_len), num_layers, num_kv_heads, PAGE, head_dim)
+        host = (pages_of(max_len), num_layers, num_kv_heads, PAGE, head_dim)
         _check_host_memory(2 * math.prod(host) * dtype.itemsize, max_len)
         self.host_k = torch.empty(host, dtype=dtype, pin_memory=pinned)
         self.host_v = torch.empty(host, dtype=dtype, pin_memory=pinned)
-        summaries = (num_layers, num_kv_heads, _pages(max_len), head_dim)
+        summaries = (num_layers, num_kv_heads, pages_of(max_len), head_dim)
         self.key_min = torch.zeros(summaries, dtype=dtype, device=device)
         self.key_max = torch.zeros(summaries, dtype=dtype, device=device)
         self.query = torch.zeros((num_layers, num_heads, head_dim), dtype=dtype, device=device)
