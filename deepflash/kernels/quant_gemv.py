@@ -54,14 +54,14 @@ a float32 product (bf16 and float32 rows, a bias, 3-D rows, partial tiles), a sp
 products, and the bitwise row invariance with and without a split, on the CPU in
 Triton's interpreter (`TRITON_INTERPRET=1`).
 
-Not yet run on a GPU: the tilings below are guesses. Compiled for sm_90 without a GPU (triton.compile with a
-GPUTarget, Triton 3.6), the loop takes about 10 SASS instructions a weight (Q4_K; Q6_K 12; the gathers of
-a per-element kernel 25 and 36), most of them the dequantization's: 3 float32 operations (the 2**23 subtraction, the
-multiply and the min's subtraction, in ggml's order), 4-5 integer ones unpacking bits and moving bytes. An SM
-issues 128 a cycle, about 13 weights: ~1.9 TB/s of Q4_K at 132 SMs, short of 0.75 of an H100's or H200's
-bandwidth. The loads no longer bound it; the instruction count does. To try: unpacking a 32-bit word's 4 low
-(or high) nibbles with one AND and moving each into 0x4B000000 with one PRMT (inline assembly on the GPU, the
-same values), and a leaner path to the MMA's operand layout.
+On an H100 (BENCHMARKS.md) the kernel streams 450-680 GB/s of Q4_K blocks and ~1 TB/s of Q8_0, the same for 1
+and 16 rows: 0.7-0.8x bf16's time on a Qwen3-8B layer. It is bound by its own instructions, not by memory
+latency: asking L2 for the bytes of steps 2-8 ahead slowed every format, as did smaller row tiles. Compiled for
+sm_90 (Triton 3.9), its loads are not pipelined at any num_stages (they feed the dequantization, not tl.dot) and
+the dequantized tile reaches the MMA's operand layout through shared memory (40 KB a program at 64 rows).
+The way on is a layout prepared at load so that dequantized values land in the operand registers (Marlin's
+route) or llama.cpp's integer dot products; a kernel that is fast at 1 row but not at 16 (torch's tinygemm:
+1.98x bf16 at 1 row, 0.67x at 16) would not serve, since a verify step must project as a decode step does.
 """
 
 from __future__ import annotations
@@ -99,11 +99,9 @@ class Tiling:
 
 
 # Chosen from the format (and the dtype) alone, never from the number of rows; the shape decides the split.
-# Untuned guesses for the GPU, after gemv.py's measured bf16 tiling (64 rows a program, weight first, ~3 waves).
-# Compiled for sm_90 without a GPU under Triton 3.6, every format builds without spills (106-252 registers a
-# thread) and this tiling took the fewest SASS instructions a weight in its loop of those tried (Q4_K 9.6, Q6_K
-# 12.1, Q8_0 9.8; 32 rows with 4 warps: 12.2, 14.5, 11.1, and weight first 12.0, 17.8, 17.1: its 2 warps on
-# the rows' side dequantize the same weights twice). Under Triton 3.9 it spills Q6_K and Q3_K (32 rows do not).
+# 64 rows a program, weight first, ~3 waves (after gemv.py's bf16 tiling): of 27 tilings timed on an H100 on Q4_K
+# (BENCHMARKS.md), within 3% of the best on two of three Qwen3-8B shapes and 20% under on 4096x12288; every
+# tiling streamed 300-680 GB/s. Under Triton 3.9 it spills Q6_K and Q3_K (32 rows do not; they ran slower).
 GPU_TILINGS = {fmt: Tiling(64, 8, 4, 2, 3.0, True) for fmt in SUPPORTED}
 # float32 rows on the GPU (tests' tiny models): tl.dot in "ieee" precision (fused multiply-adds over k in
 # order, no tensor cores); 32 rows spilled hundreds of registers
