@@ -59,10 +59,10 @@ and 16 rows: 0.7-0.8x bf16's time on a Qwen3-8B layer. It is bound by its own in
 latency: asking L2 for the bytes of steps 2-8 ahead slowed every format, as did smaller row tiles. Compiled for
 sm_90 (Triton 3.9), its loads are not pipelined at any num_stages (they feed the dequantization, not tl.dot) and
 the dequantized tile reaches the MMA's operand layout through shared memory (40 KB a program at 64 rows).
-The way on is fewer instructions a weight: two weights an instruction in bf16x2 PTX (~9 instructions a weight
-per thread for Q4_K against ~18 here, compiled for sm_90; not yet run on a GPU), a layout prepared so that
-dequantized values land in the operand registers (Marlin's), or llama.cpp's integer dot products; a kernel that is fast at 1 row but not at 16 (torch's tinygemm:
-1.98x bf16 at 1 row, 0.67x at 16) would not serve, since a verify step must project as a decode step does.
+The way on is fewer instructions a weight: two weights an instruction in bf16x2 PTX, a layout prepared so that
+dequantized values land in the operand registers (Marlin's), or llama.cpp's integer dot products. A kernel that
+is fast at 1 row but not at 16 (torch's tinygemm: 2.0x bf16 at 1 row, 0.69x at 16) would not serve, since a
+verify step must project as a decode step does.
 """
 
 from __future__ import annotations
