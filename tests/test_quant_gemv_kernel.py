@@ -38,6 +38,23 @@ def reference_weight(blocks: torch.Tensor, qtype) -> torch.Tensor:
     return torch.from_numpy(dequantize(blocks.numpy(), qtype).astype(np.float32))
 
 
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_rows' quantization in torch: x [rows, cols] as int8 q and float32 scales d per 256 columns (q = x / d
+    rounded half away from zero, d = max |x| / 127), [rows, cols] each (d repeated over its chunk)."""
+    chunks = x.float().reshape(x.shape[0], -1, 256)
+    peak = chunks.abs().amax(-1, keepdim=True)
+    scaled = chunks * torch.where(peak > 0, 127.0 / torch.where(peak > 0, peak, 1.0), 0.0)
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return q.reshape(x.shape), (peak / 127.0).expand_as(chunks).reshape(x.shape)
+
+
+def integer_product(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product of x's int8 form with the float32 weights (float64 sums), and the bound of its distance from
+    x's: d / 2 * |w| summed (each quantized element is within half a step of x's)."""
+    q, d = quantized_rows(x)
+    return (q * d).double() @ weight.double().T, (d / 2).double() @ weight.abs().double().T
+
+
 def rows(count: int, cols: int, dtype, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(count, cols, generator=gen).to(dtype)
@@ -103,6 +120,10 @@ def test_kernel_matches_dequantize_then_product(qtype, dtype):
     exact = x.float() @ weight.T + plus  # the float32 weights
     if dtype == torch.float32:
         torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+    elif quant_gemv.integer(int(qtype), dtype):  # the rows quantized to int8 (int8_rows.py), the sums exact
+        product, bound = integer_product(x, weight)
+        torch.testing.assert_close(got.float(), (product + plus).to(dtype).float(), rtol=8e-3, atol=1e-2)
+        assert ((got.double() - exact.double()).abs() <= bound + 4e-3 * exact.abs() + 1e-2).all()
     else:  # the weights rounded to bf16, as a dequantize-to-bf16-then-GEMM would round them
         rounded = x.float() @ weight.to(dtype).float().T + plus
         torch.testing.assert_close(got.float(), rounded.to(dtype).float(), rtol=8e-3, atol=1e-2)
@@ -168,6 +189,34 @@ def test_gpu_products(qtype):
         got = run(x, blocks, qtype, cols, bias, slices=2, tile=tile, upcast=False)
         assert got.shape == (1, 3, n)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_quantize_as_the_reference_does():
+    """int8_rows.quantized_rows: q, d and the sums of q per 32 columns as the torch reference computes them, bit
+    for bit (a zero chunk: q and d zeros); rows past x's (to 16) are zeros."""
+    from deepflash.kernels import int8_rows
+
+    x = rows(3, 768, torch.bfloat16) * 4
+    x[1, 256:512] = 0
+    q, scales, sums = (t.cpu() for t in int8_rows.quantized_rows(x.to(DEVICE)))
+    want_q, want_d = quantized_rows(x)
+    assert q.shape == (16, 768) and scales.shape == (16, 3) and sums.shape == (16, 24)
+    assert torch.equal(q[:3].float(), want_q) and not q[3:].any()
+    assert torch.equal(scales[:3], want_d[:, ::256]) and not scales[3:].any()
+    assert torch.equal(sums[:3], want_q.reshape(3, 24, 32).sum(-1).int()) and not sums[3:].any()
+
+
+def test_integer_products_on_the_gpu_tiling():
+    """The integer path's GPU tiling (128 weight rows a program) in the interpreter, whole and split in 2: 200
+    outputs end inside a program's rows (the rows past the weight read its last row and are not stored)."""
+    n, cols = 200, 512
+    blocks = random_blocks(T.Q4_K, n, cols, seed=3)
+    product, _ = integer_product(rows(4, cols, torch.float32).to(torch.bfloat16).float(),
+                                 reference_weight(blocks, T.Q4_K))
+    x = rows(4, cols, torch.float32).to(torch.bfloat16)
+    for slices in (1, 2):
+        got = run(x, blocks, T.Q4_K, cols, slices=slices, tile=quant_gemv.INTEGER_TILING, upcast=False)
+        torch.testing.assert_close(got.float(), product.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-2)
 
 
 def test_the_split_comes_from_the_shape():

@@ -54,15 +54,16 @@ a float32 product (bf16 and float32 rows, a bias, 3-D rows, partial tiles), a sp
 products, and the bitwise row invariance with and without a split, on the CPU in
 Triton's interpreter (`TRITON_INTERPRET=1`).
 
-On an H100 (BENCHMARKS.md) the kernel streams 450-680 GB/s of Q4_K blocks and ~1 TB/s of Q8_0, the same for 1
-and 16 rows: 0.7-0.8x bf16's time on a Qwen3-8B layer. It is bound by its own instructions, not by memory
-latency: asking L2 for the bytes of steps 2-8 ahead slowed every format, as did smaller row tiles. Compiled for
-sm_90 (Triton 3.9), its loads are not pipelined at any num_stages (they feed the dequantization, not tl.dot) and
-the dequantized tile reaches the MMA's operand layout through shared memory (40 KB a program at 64 rows).
-The way on is fewer instructions a weight: two weights an instruction in bf16x2 PTX, a layout prepared so that
-dequantized values land in the operand registers (Marlin's), or llama.cpp's integer dot products. A kernel that
-is fast at 1 row but not at 16 (torch's tinygemm: 2.0x bf16 at 1 row, 0.69x at 16) would not serve, since a
-verify step must project as a decode step does.
+On an H100 (BENCHMARKS.md) this exact path streams 450-680 GB/s of Q4_K blocks and ~1 TB/s of Q8_0, the same for
+1 and 16 rows: 0.7-0.8x bf16's time on a Qwen3-8B layer, some 10 SASS instructions a weight per thread. Q4_K,
+the bulk of a Q4_K_M file, therefore takes int8_rows.py's integer products with bf16 rows (INTEGER_FORMATS): the
+rows quantized to int8, the 4-bit quants used as int8 tiles (4 instructions a weight per thread), each row's sums
+exact integers, so a row's bits still do not depend on the row count; a Qwen3-8B layer in Q4_K takes 148 / 152 us
+at 1 / 16 rows against the exact path's 218 / 222 and bf16's 155 / 161. It streams at most ~1 TB/s of blocks
+whatever the tiling (16-128 rows a program, 1-8 slices), a third of bf16's bandwidth. float32 rows keep the exact
+path.
+A kernel that is fast at 1 row but not at 16 (torch's tinygemm: 2.0x bf16 at 1 row, 0.69x at 16) would not serve,
+since a verify step must project as a decode step does.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import int8_rows
 from .arrivals import arrival_counters
 from .triton_support import INTERPRETED, tl, triton
 
@@ -85,6 +87,7 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
           Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 SUPPORTED: tuple[int, ...] = tuple(BLOCKS)
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+INTEGER_FORMATS = (Q4_K,)  # bf16 rows take int8_rows.py's integer products with these
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,10 @@ class Tiling:
 # (BENCHMARKS.md), within 3% of the best on two of three Qwen3-8B shapes and 20% under on 4096x12288; every
 # tiling streamed 300-680 GB/s. Under Triton 3.9 it spills Q6_K and Q3_K (32 rows do not; they ran slower).
 GPU_TILINGS = {fmt: Tiling(64, 8, 4, 2, 3.0, True) for fmt in SUPPORTED}
+# int8_rows.py's integer products, the weights on tl.dot's M side: 64 rows a program, 4 warps, ~4 waves. Of 12
+# tilings on a Qwen3-8B layer (H100, BENCHMARKS.md) the fastest at 1 and 16 rows (148 / 152 us; 128 rows at 2
+# waves 150 / 158; 8 warps 169-276)
+INTEGER_TILING = Tiling(64, 1, 4, 2, 4.0, True)
 # float32 rows on the GPU (tests' tiny models): tl.dot in "ieee" precision (fused multiply-adds over k in
 # order, no tensor cores); 32 rows spilled hundreds of registers
 FLOAT32_TILING = Tiling(16, 4, 4, 1, 3.0)
@@ -115,7 +122,15 @@ def tiling(ggml_type: int, dtype: torch.dtype) -> Tiling:
     """The tiling of a weight in `ggml_type` for rows of `dtype` (the place for shape rules once measured)."""
     if INTERPRETED:
         return INTERPRETED_TILING
+    if integer(ggml_type, dtype):
+        return INTEGER_TILING
     return FLOAT32_TILING if dtype == torch.float32 else GPU_TILINGS[ggml_type]
+
+
+def integer(ggml_type: int, dtype: torch.dtype) -> bool:
+    """Whether rows of `dtype` are quantized to int8 for a weight in `ggml_type` (int8_rows.py): bf16 rows of
+    the INTEGER_FORMATS. float32 rows (tests' tiny models, references) keep the exact dequantization."""
+    return ggml_type in INTEGER_FORMATS and dtype == torch.bfloat16
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -135,7 +150,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, cols: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantize(blocks).T + bias for x [..., cols] (bf16 or float32, at most 16 rows) and blocks uint8
     [N, row_bytes] (row n's blocks contiguous, in ggml's order); [..., N] in x's dtype. The dequantized
-    weights are rounded to x's dtype and the products summed in float32."""
+    weights are rounded to x's dtype and the products summed in float32, but for `integer` formats and dtypes
+    (bf16 rows of Q4_K), where the rows are quantized to int8 instead (int8_rows.py)."""
     assert x.dtype in DTYPES, x.dtype
     return _launch(x, blocks, ggml_type, cols, bias, tiling(ggml_type, x.dtype), INTERPRETED)
 
@@ -186,11 +202,14 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     # the slices' float32 sums [slices, rows, n]
     partial = torch.empty(count * rows * n if count > 1 else 1, dtype=torch.float32, device=x.device)
     arrivals = arrival_counters("quant_gemv", MAX_BLOCKS, x.device)  # per row block
+    x = x.reshape(rows, cols).contiguous()
+    is_integer = integer(ggml_type, x.dtype)
+    q, scales, sums = int8_rows.quantized_rows(x) if is_integer else (x, x, x)
     _quant_gemv[(row_blocks, count)](
-        x.reshape(rows, cols).contiguous(), blocks, blocks.view(torch.float16),
+        x, q, scales, sums, blocks, blocks.view(torch.float16),
         blocks if bias is None else bias.contiguous(), out, partial, arrivals, rows, n,
         COLS=cols, FMT=ggml_type, QK=qk, BLOCK_BYTES=nbytes, NB=nb, STEPS=steps, SPAN=per, SLICES=count,
-        HAS_BIAS=bias is not None, UPCAST=upcast, IEEE=x.dtype == torch.float32,
+        INTEGER=is_integer, EMULATE=INTERPRETED, HAS_BIAS=bias is not None, UPCAST=upcast, IEEE=x.dtype == torch.float32,
         ROUND=INTERPRETED and x.dtype == torch.bfloat16, WEIGHT_FIRST=tile.weight_first and not upcast,
         BLOCK_N=tile.block_n, num_warps=tile.warps, num_stages=tile.stages,
         enable_fp_fusion=False)  # ggml's roundings (the module docstring); the interpreter ignores it
@@ -198,6 +217,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
 
 
 if triton is not None:
+    from .int8_rows import q4k_step
 
     @triton.jit
     def _to_nearest(v, ROUND: tl.constexpr):
@@ -404,21 +424,31 @@ if triton is not None:
                  mask=(r < rows)[:, None] & (outs < n)[None, :])
 
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
-    def _quant_gemv(x, blocks, half, bias, out, partial, arrivals, rows, n, COLS: tl.constexpr,
+    def _quant_gemv(x, q, scales, sums, blocks, half, bias, out, partial, arrivals, rows, n, COLS: tl.constexpr,
                     FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr,
-                    STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
+                    STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr, INTEGER: tl.constexpr, EMULATE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
                     WEIGHT_FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
+        """x's rows times row block `block` of the weight over slice `piece` of the reduction; with INTEGER, the
+        rows quantized (q, scales, sums: int8_rows.quantized_rows) and int8_rows' integer products (EMULATE: the
+        interpreter, without inline PTX)."""
         block, piece = tl.program_id(0), tl.program_id(1)
         r = tl.arange(0, 16)
         outs = block * BLOCK_N + tl.arange(0, BLOCK_N)
         live = outs < n
         # byte offset of each weight row (int64: a large embedding passes 2 GiB); constexpr strides, so that
-        # Triton sees the blocks' alignment
+        # Triton sees the blocks' alignment. Rows past n read row n - 1, unmasked (their sums are not stored).
         ROW_BYTES: tl.constexpr = (COLS // QK) * BLOCK_BYTES
-        row_at = outs.to(tl.int64) * ROW_BYTES
-        acc = _project(x, blocks, half, row_at, piece * SPAN, tl.minimum(piece * SPAN + SPAN, STEPS), live, r, rows,
-                       COLS, FMT, QK, BLOCK_BYTES, NB, BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
+        row_at = tl.minimum(outs, n - 1).to(tl.int64) * ROW_BYTES
+        first, stop = piece * SPAN, tl.minimum(piece * SPAN + SPAN, STEPS)
+        if INTEGER:
+            acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            for step in range(first, stop):
+                acc = q4k_step(acc, q, scales, sums, blocks, row_at + step * BLOCK_BYTES, step, COLS, EMULATE)
+            acc = tl.trans(acc)
+        else:
+            acc = _project(x, blocks, half, row_at, first, stop, live, r, rows, COLS, FMT, QK, BLOCK_BYTES, NB,
+                           BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
         if SLICES == 1:
             _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS, ROUND)
         else:  # park this slice's sums; the row block's last slice to arrive adds them in slice order
