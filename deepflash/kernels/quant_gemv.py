@@ -209,7 +209,8 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
         x, q, scales, sums, blocks, blocks.view(torch.float16),
         blocks if bias is None else bias.contiguous(), out, partial, arrivals, rows, n,
         COLS=cols, FMT=ggml_type, QK=qk, BLOCK_BYTES=nbytes, NB=nb, STEPS=steps, SPAN=per, SLICES=count,
-        INTEGER=is_integer, EMULATE=INTERPRETED, HAS_BIAS=bias is not None, UPCAST=upcast, IEEE=x.dtype == torch.float32,
+        INTEGER=is_integer, EMULATE=INTERPRETED, HAS_BIAS=bias is not None, UPCAST=upcast,
+        IEEE=x.dtype == torch.float32,
         ROUND=INTERPRETED and x.dtype == torch.bfloat16, WEIGHT_FIRST=tile.weight_first and not upcast,
         BLOCK_N=tile.block_n, num_warps=tile.warps, num_stages=tile.stages,
         enable_fp_fusion=False)  # ggml's roundings (the module docstring); the interpreter ignores it
