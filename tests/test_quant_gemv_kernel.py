@@ -144,7 +144,7 @@ def test_a_split_reduction_adds_its_slices_in_order(qtype):
     want = x @ weight.T + bias
     whole = run(x, blocks, qtype, cols, bias, slices=1)
     torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-4)
-    tile = quant_gemv.tiling(int(qtype), torch.float32)
+    tile = quant_gemv.exact_tiling(int(qtype), torch.float32)
     for slices in (2, 3, 4):
         _, steps, count, per = quant_gemv.plan(int(qtype), n, cols, tile, 1, slices)
         assert 2 <= count <= slices and (count - 1) * per < steps <= count * per  # whole slices, none empty

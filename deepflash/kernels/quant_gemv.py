@@ -120,10 +120,14 @@ INTERPRETED_TILING = Tiling(16, 8, 4, 1, 0.0)
 
 def tiling(ggml_type: int, dtype: torch.dtype) -> Tiling:
     """The tiling of a weight in `ggml_type` for rows of `dtype` (the place for shape rules once measured)."""
+    return INTEGER_TILING if integer(ggml_type, dtype) and not INTERPRETED else exact_tiling(ggml_type, dtype)
+
+
+def exact_tiling(ggml_type: int, dtype: torch.dtype) -> Tiling:
+    """The tiling of the exact (dequantizing) path: float32 rows, the formats outside INTEGER_FORMATS, and
+    kernels/quant_moe.py's expert projections."""
     if INTERPRETED:
         return INTERPRETED_TILING
-    if integer(ggml_type, dtype):
-        return INTEGER_TILING
     return FLOAT32_TILING if dtype == torch.float32 else GPU_TILINGS[ggml_type]
 
 

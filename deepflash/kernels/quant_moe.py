@@ -65,7 +65,7 @@ def fits(x: torch.Tensor) -> bool:
 
 def _tile(ggml_type: int, dtype: torch.dtype) -> tuple[int, int, int, int, bool]:
     """(weight rows a program, 32-column blocks a step (1 for the k-quants), warps, stages, weight first)."""
-    tile = quant_gemv.tiling(ggml_type, dtype)
+    tile = quant_gemv.exact_tiling(ggml_type, dtype)
     block_n = INTERPRETED_BLOCK_N if INTERPRETED else tile.block_n
     nb = 1 if quant_gemv.BLOCKS[ggml_type][0] == 256 else tile.blocks
     return block_n, nb, tile.warps, tile.stages, tile.weight_first
