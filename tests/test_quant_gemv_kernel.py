@@ -193,7 +193,7 @@ def test_gpu_products(qtype):
 
 def test_rows_quantize_as_the_reference_does():
     """int8_rows.quantized_rows: q, d and the sums of q per 32 columns as the torch reference computes them, bit
-    for bit (a zero chunk: q and d zeros); rows past x's (to 16) are zeros."""
+    for bit (a zero chunk: q and d zeros), in a tile of 16 rows."""
     from deepflash.kernels import int8_rows
 
     x = rows(3, 768, torch.bfloat16) * 4
@@ -201,9 +201,8 @@ def test_rows_quantize_as_the_reference_does():
     q, scales, sums = (t.cpu() for t in int8_rows.quantized_rows(x.to(DEVICE)))
     want_q, want_d = quantized_rows(x)
     assert q.shape == (16, 768) and scales.shape == (16, 3) and sums.shape == (16, 24)
-    assert torch.equal(q[:3].float(), want_q) and not q[3:].any()
-    assert torch.equal(scales[:3], want_d[:, ::256]) and not scales[3:].any()
-    assert torch.equal(sums[:3], want_q.reshape(3, 24, 32).sum(-1).int()) and not sums[3:].any()
+    assert torch.equal(q[:3].float(), want_q) and torch.equal(scales[:3], want_d[:, ::256])
+    assert torch.equal(sums[:3], want_q.reshape(3, 24, 32).sum(-1).int())
 
 
 def test_integer_products_on_the_gpu_tiling():

@@ -33,13 +33,13 @@ TILE = 16  # rows of the product: the quantized rows are padded to it with zeros
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [rows <= 16, cols] (cols a multiple of 256) as int8 q [16, cols], float32 scales d [16, cols / 256]
-    and int32 sums [16, cols / 32] of q; rows past x's are zeros."""
+    and int32 sums [16, cols / 32] of q; rows past x's are left unwritten (the products do not read them)."""
     rows, cols = x.shape
     assert rows <= TILE and cols % CHUNK == 0, (rows, cols)
     q = torch.empty(TILE, cols, dtype=torch.int8, device=x.device)
     scales = torch.empty(TILE, cols // CHUNK, dtype=torch.float32, device=x.device)
     sums = torch.empty(TILE, cols // SUM, dtype=torch.int32, device=x.device)
-    _quantize[(TILE, cols // CHUNK)](x.contiguous(), q, scales, sums, rows, COLS=cols, num_warps=4)
+    _quantize[(rows, cols // CHUNK)](x.contiguous(), q, scales, sums, COLS=cols, num_warps=4)
     return q, scales, sums
 
 
@@ -48,11 +48,11 @@ if triton is not None:
     _HIGH_NIBBLES = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }")
 
     @triton.jit
-    def _quantize(x, q, scales, sums, rows, COLS: tl.constexpr):
+    def _quantize(x, q, scales, sums, COLS: tl.constexpr):
         """Row r's chunk c: q = x / d rounded half away from zero (ggml's roundf), d = max |x| / 127."""
         r, c = tl.program_id(0), tl.program_id(1)
         cols = c * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [8 sums, 32]
-        v = tl.load(x + r * COLS + cols, mask=cols * 0 + r < rows, other=0.0).to(tl.float32)
+        v = tl.load(x + r * COLS + cols).to(tl.float32)
         peak = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
         scaled = v * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)
         units = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled)).to(tl.int32)
@@ -85,11 +85,13 @@ if triton is not None:
                 w1 & 0x3F3F3F3F, ((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030))
 
     @triton.jit
-    def q4k_step(acc, q, scales, sums, blocks, at, step, COLS: tl.constexpr, EMULATE: tl.constexpr):
-        """acc [BLOCK_N, 16] plus the quantized rows' (q, scales, sums: quantized_rows) product with superblock
-        `step` of each weight row, at bytes `at` [BLOCK_N] (int64, inside the weight: rows past its end read
-        another row's bytes, for the caller to drop)."""
+    def q4k_step(acc, q, scales, sums, rows, blocks, at, step, COLS: tl.constexpr, EMULATE: tl.constexpr):
+        """acc [BLOCK_N, 16] plus the product of the `rows` quantized rows (q, scales, sums: quantized_rows; the
+        tile's other rows read as zeros, no bytes moved: a decode step reads one row) with superblock `step` of
+        each weight row, at bytes `at` [BLOCK_N] (int64, inside the weight: rows past its end read another row's
+        bytes, for the caller to drop)."""
         r = tl.arange(0, 16)
+        real = r < rows
         i = tl.arange(0, 32)
         d, dmin, sc03, sc47, mn03, mn47 = _q4k_scales((blocks + at).to(tl.pointer_type(tl.int32)))
         dots = tl.zeros(acc.shape, dtype=tl.int32)  # sum_j sc_j * (q_x . q_j)
@@ -103,8 +105,10 @@ if triton is not None:
                 else:
                     sc = (sc47 >> (16 * c - 32 + 8 * h)) & 255
                     mn = (mn47 >> (16 * c - 32 + 8 * h)) & 255
-                rows = tl.load(q + r[:, None] * COLS + step * 256 + c * 64 + h * 32 + i[None, :])  # [16, 32]
-                dots += sc[:, None] * tl.dot(_nibbles(b, h, EMULATE), tl.trans(rows))
-                mins += mn[:, None] * tl.load(sums + r * (COLS // 32) + step * 8 + 2 * c + h)[None, :]
-        row_scale = tl.load(scales + r * (COLS // 256) + step)
+                x = tl.load(q + r[:, None] * COLS + step * 256 + c * 64 + h * 32 + i[None, :], mask=real[:, None],
+                            other=0)  # [16, 32]
+                dots += sc[:, None] * tl.dot(_nibbles(b, h, EMULATE), tl.trans(x))
+                row_sums = tl.load(sums + r * (COLS // 32) + step * 8 + 2 * c + h, mask=real, other=0)
+                mins += mn[:, None] * row_sums[None, :]
+        row_scale = tl.load(scales + r * (COLS // 256) + step, mask=real, other=0.0)
         return acc + (d[:, None] * dots.to(tl.float32) - dmin[:, None] * mins.to(tl.float32)) * row_scale[None, :]

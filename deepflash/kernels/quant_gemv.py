@@ -449,7 +449,7 @@ if triton is not None:
         if INTEGER:
             acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             for step in range(first, stop):
-                acc = q4k_step(acc, q, scales, sums, blocks, row_at + step * BLOCK_BYTES, step, COLS, EMULATE)
+                acc = q4k_step(acc, q, scales, sums, rows, blocks, row_at + step * BLOCK_BYTES, step, COLS, EMULATE)
             acc = tl.trans(acc)
         else:
             acc = _project(x, blocks, half, row_at, first, stop, live, r, rows, COLS, FMT, QK, BLOCK_BYTES, NB,
