@@ -71,33 +71,54 @@ if triton is not None:
             return tl.inline_asm_elementwise(_LOW_NIBBLES, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
 
     @triton.jit
-    def _q4k_scales(head):
+    def _q4k_scales(fields, w0, w1, w2):
         """Q4_K's f16 d and dmin (float32) and its 8 sub-blocks' 6-bit scales and mins as the bytes of 4 words
         (scales 0-3, 4-7, mins 0-3, 4-7): ggml's get_scale_min_k4 on 4 sub-blocks an instruction, from the
-        block's first 16 bytes as int32 words (head: [BLOCK_N] pointers)."""
-        fields = tl.load(head)
-        w0 = tl.load(head + 1)
-        w1 = tl.load(head + 2)
-        w2 = tl.load(head + 3)
+        block's first 16 bytes as int32 words ([BLOCK_N] each)."""
         d = (fields & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = ((fields >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         return (d, dmin, w0 & 0x3F3F3F3F, (w2 & 0x0F0F0F0F) | ((w0 >> 2) & 0x30303030),
                 w1 & 0x3F3F3F3F, ((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030))
 
     @triton.jit
-    def q4k_step(acc, q, scales, sums, rows, blocks, at, step, COLS: tl.constexpr, EMULATE: tl.constexpr):
+    def _q4k_head(blocks, heads, at, row0, step, TMA: tl.constexpr):
+        """The first 16 bytes of superblock `step` of each weight row as 4 int32 words [BLOCK_N]: through the
+        tensor descriptor `heads` (blocks as int32 [N, row_bytes / 4], tiles [BLOCK_N, 4]) where TMA, else
+        loaded at bytes `at`."""
+        if TMA:
+            words = tl.reshape(heads.load([row0, step * 36]), [at.shape[0], 2, 2])
+            even, odd = tl.split(words)  # words 0, 2 and 1, 3
+            fields, w1 = tl.split(even)
+            w0, w2 = tl.split(odd)
+        else:
+            head = (blocks + at).to(tl.pointer_type(tl.int32))
+            fields = tl.load(head)
+            w0 = tl.load(head + 1)
+            w1 = tl.load(head + 2)
+            w2 = tl.load(head + 3)
+        return fields, w0, w1, w2
+
+    @triton.jit
+    def q4k_step(acc, q, scales, sums, rows, blocks, heads, quants, at, row0, step, COLS: tl.constexpr,
+                 EMULATE: tl.constexpr, TMA: tl.constexpr):
         """acc [BLOCK_N, 16] plus the product of the `rows` quantized rows (q, scales, sums: quantized_rows; the
         tile's other rows read as zeros, no bytes moved: a decode step reads one row) with superblock `step` of
-        each weight row, at bytes `at` [BLOCK_N] (int64, inside the weight: rows past its end read another row's
-        bytes, for the caller to drop)."""
+        weight rows row0.. (bytes `at` [BLOCK_N], int64, inside the weight: rows past its end read another row's
+        bytes, for the caller to drop). With TMA the weight's bytes come through the tensor descriptors `heads`
+        and `quants` (blocks as uint8 [N, row_bytes], tiles [BLOCK_N, 32]): Hopper's bulk copies, which Triton
+        stages num_stages steps ahead (plain loads feeding the nibbles' inline PTX are not)."""
         r = tl.arange(0, 16)
         real = r < rows
         i = tl.arange(0, 32)
-        d, dmin, sc03, sc47, mn03, mn47 = _q4k_scales((blocks + at).to(tl.pointer_type(tl.int32)))
+        fields, w0, w1, w2 = _q4k_head(blocks, heads, at, row0, step, TMA)
+        d, dmin, sc03, sc47, mn03, mn47 = _q4k_scales(fields, w0, w1, w2)
         dots = tl.zeros(acc.shape, dtype=tl.int32)  # sum_j sc_j * (q_x . q_j)
         mins = tl.zeros(acc.shape, dtype=tl.int32)  # sum_j m_j * sum(q_x over j)
         for c in tl.static_range(4):  # bytes 16 + 32c..: sub-block 2c in the low nibbles, 2c + 1 in the high
-            b = tl.load(blocks + at[:, None] + 16 + c * 32 + i[None, :])
+            if TMA:
+                b = quants.load([row0, step * 144 + 16 + c * 32])
+            else:
+                b = tl.load(blocks + at[:, None] + 16 + c * 32 + i[None, :])
             for h in tl.static_range(2):
                 if c < 2:
                     sc = (sc03 >> (16 * c + 8 * h)) & 255

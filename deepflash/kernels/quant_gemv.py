@@ -161,6 +161,11 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, cols: int,
 
 
 @functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -209,11 +214,16 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     x = x.reshape(rows, cols).contiguous()
     is_integer = integer(ggml_type, x.dtype)
     q, scales, sums = int8_rows.quantized_rows(x) if is_integer else (x, x, x)
+    # Hopper's bulk copies for the integer path's weight bytes (int8_rows.q4k_step): rows of whole 16-byte units
+    tma = (is_integer and not upcast and _hopper(x.device) and blocks.shape[1] % 16 == 0
+           and blocks.data_ptr() % 16 == 0)
+    heads = TensorDescriptor.from_tensor(blocks.view(torch.int32), [tile.block_n, 4]) if tma else blocks
+    quants = TensorDescriptor.from_tensor(blocks, [tile.block_n, 32]) if tma else blocks
     _quant_gemv[(row_blocks, count)](
-        x, q, scales, sums, blocks, blocks.view(torch.float16),
+        x, q, scales, sums, blocks, heads, quants, blocks.view(torch.float16),
         blocks if bias is None else bias.contiguous(), out, partial, arrivals, rows, n,
         COLS=cols, FMT=ggml_type, QK=qk, BLOCK_BYTES=nbytes, NB=nb, STEPS=steps, SPAN=per, SLICES=count,
-        INTEGER=is_integer, EMULATE=INTERPRETED, HAS_BIAS=bias is not None, UPCAST=upcast,
+        INTEGER=is_integer, EMULATE=INTERPRETED, TMA=tma, HAS_BIAS=bias is not None, UPCAST=upcast,
         IEEE=x.dtype == torch.float32,
         ROUND=INTERPRETED and x.dtype == torch.bfloat16, WEIGHT_FIRST=tile.weight_first and not upcast,
         BLOCK_N=tile.block_n, num_warps=tile.warps, num_stages=tile.stages,
@@ -222,6 +232,8 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
 
 
 if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from .int8_rows import q4k_step
 
     @triton.jit
@@ -429,10 +441,11 @@ if triton is not None:
                  mask=(r < rows)[:, None] & (outs < n)[None, :])
 
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
-    def _quant_gemv(x, q, scales, sums, blocks, half, bias, out, partial, arrivals, rows, n, COLS: tl.constexpr,
-                    FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, NB: tl.constexpr,
-                    STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr, INTEGER: tl.constexpr, EMULATE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
+    def _quant_gemv(x, q, scales, sums, blocks, heads, quants, half, bias, out, partial, arrivals, rows, n,
+                    COLS: tl.constexpr, FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                    NB: tl.constexpr, STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr,
+                    INTEGER: tl.constexpr, EMULATE: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
                     WEIGHT_FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
         """x's rows times row block `block` of the weight over slice `piece` of the reduction; with INTEGER, the
         rows quantized (q, scales, sums: int8_rows.quantized_rows) and int8_rows' integer products (EMULATE: the
@@ -449,7 +462,8 @@ if triton is not None:
         if INTEGER:
             acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             for step in range(first, stop):
-                acc = q4k_step(acc, q, scales, sums, rows, blocks, row_at + step * BLOCK_BYTES, step, COLS, EMULATE)
+                acc = q4k_step(acc, q, scales, sums, rows, blocks, heads, quants, row_at + step * BLOCK_BYTES,
+                               block * BLOCK_N, step, COLS, EMULATE, TMA)
             acc = tl.trans(acc)
         else:
             acc = _project(x, blocks, half, row_at, first, stop, live, r, rows, COLS, FMT, QK, BLOCK_BYTES, NB,
