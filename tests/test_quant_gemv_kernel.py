@@ -193,28 +193,29 @@ def test_gpu_products(qtype):
 
 def test_rows_quantize_as_the_reference_does():
     """int8_rows.quantized_rows: q, d and the sums of q per 32 columns as the torch reference computes them, bit
-    for bit (a zero chunk: q and d zeros), in a tile of 16 rows."""
+    for bit (a zero chunk: q and d zeros), with the sums of q per 16 columns, in a tile of 16 rows."""
     from deepflash.kernels import int8_rows
 
     x = rows(3, 768, torch.bfloat16) * 4
     x[1, 256:512] = 0
     q, scales, sums = (t.cpu() for t in int8_rows.quantized_rows(x.to(DEVICE)))
     want_q, want_d = quantized_rows(x)
-    assert q.shape == (16, 768) and scales.shape == (16, 3) and sums.shape == (16, 24)
+    assert q.shape == (16, 768) and scales.shape == (16, 3) and sums.shape == (16, 48)
     assert torch.equal(q[:3].float(), want_q) and torch.equal(scales[:3], want_d[:, ::256])
-    assert torch.equal(sums[:3], want_q.reshape(3, 24, 32).sum(-1).int())
+    assert torch.equal(sums[:3], want_q.reshape(3, 48, 16).sum(-1).int())
 
 
-def test_integer_products_on_the_gpu_tiling():
-    """The integer path's GPU tiling (128 weight rows a program) in the interpreter, whole and split in 2: 200
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_integer_products_on_the_gpu_tiling(qtype):
+    """The integer path's GPU tiling (64 weight rows a program) in the interpreter, whole and split in 2: 200
     outputs end inside a program's rows (the rows past the weight read its last row and are not stored)."""
     n, cols = 200, 512
-    blocks = random_blocks(T.Q4_K, n, cols, seed=3)
+    blocks = random_blocks(qtype, n, cols, seed=3)
     product, _ = integer_product(rows(4, cols, torch.float32).to(torch.bfloat16).float(),
-                                 reference_weight(blocks, T.Q4_K))
+                                 reference_weight(blocks, qtype))
     x = rows(4, cols, torch.float32).to(torch.bfloat16)
     for slices in (1, 2):
-        got = run(x, blocks, T.Q4_K, cols, slices=slices, tile=quant_gemv.INTEGER_TILING, upcast=False)
+        got = run(x, blocks, qtype, cols, slices=slices, tile=quant_gemv.INTEGER_TILING, upcast=False)
         torch.testing.assert_close(got.float(), product.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-2)
 
 

@@ -14,6 +14,10 @@ tl.dot of int8 [BLOCK_N, 32] by [32, 16] into int32 (IGMMA on an H100), the rest
 the [BLOCK_N, 16] tile and a float epilogue once a superblock: about 4 SASS instructions a weight per thread at
 64 rows a program, compiled for sm_90 (quant_gemv.py's exact path: 9.5).
 
+Q6_K (q6k_step) is the same with 16 sub-blocks of 16 columns, int8 scales and unsigned 6-bit quants less 32
+(the 32 times the rows' sums of 16 columns); its 210-byte blocks keep only 2-byte alignment, so its bytes come in
+2-byte loads (9.8 SASS instructions a weight per thread at 64 rows, against the exact path's 15.7 with spills).
+
 Integer sums are exact, so a row's result depends on its own chunks alone: the same bits whatever the
 number of rows in the call, as the exact path guarantees. The price is the rows' rounding to int8: each
 product is off by at most d_x / 2 * sum |w| over a chunk, the error of llama.cpp's CPU path, against the
@@ -27,13 +31,13 @@ import torch
 from .triton_support import tl, triton
 
 CHUNK = 256  # columns of a row sharing one int8 scale
-SUM = 32  # columns of each integer sum (a Q4_K sub-block)
+SUM = 16  # columns of each integer sum (a Q6_K sub-block; Q4_K's of 32 add two)
 TILE = 16  # rows of the product: the quantized rows are padded to it with zeros
 
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [rows <= 16, cols] (cols a multiple of 256) as int8 q [16, cols], float32 scales d [16, cols / 256]
-    and int32 sums [16, cols / 32] of q; rows past x's are left unwritten (the products do not read them)."""
+    and int32 sums [16, cols / 16] of q; rows past x's are left unwritten (the products do not read them)."""
     rows, cols = x.shape
     assert rows <= TILE and cols % CHUNK == 0, (rows, cols)
     q = torch.empty(TILE, cols, dtype=torch.int8, device=x.device)
@@ -46,18 +50,26 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 if triton is not None:
     _LOW_NIBBLES = tl.constexpr("lop3.b32 $0, $1, 0x0F0F0F0F, 0, 0xC0;")  # $1 & 0x0F0F0F0F
     _HIGH_NIBBLES = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }")
+    # Q6_K's 6-bit quants, 4 bytes an instruction or so: nibble S of the low bytes $1 (shift 4S) below bits
+    # 2(2S + s) of the high bytes $2, for the 4 (S, s)
+    _Q6 = ("{ .reg .b32 a, b; shr.b32 a, $1, LOW; and.b32 a, a, 0x0F0F0F0F; "
+           "shr.b32 b, $2, HIGH; and.b32 b, b, 0x03030303; shl.b32 b, b, 4; or.b32 $0, a, b; }")
+    _Q6_00 = tl.constexpr(_Q6.replace("LOW", "0").replace("HIGH", "0"))
+    _Q6_01 = tl.constexpr(_Q6.replace("LOW", "0").replace("HIGH", "2"))
+    _Q6_10 = tl.constexpr(_Q6.replace("LOW", "4").replace("HIGH", "4"))
+    _Q6_11 = tl.constexpr(_Q6.replace("LOW", "4").replace("HIGH", "6"))
 
     @triton.jit
     def _quantize(x, q, scales, sums, COLS: tl.constexpr):
         """Row r's chunk c: q = x / d rounded half away from zero (ggml's roundf), d = max |x| / 127."""
         r, c = tl.program_id(0), tl.program_id(1)
-        cols = c * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [8 sums, 32]
+        cols = c * 256 + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16 sums, 16]
         v = tl.load(x + r * COLS + cols).to(tl.float32)
         peak = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
         scaled = v * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)
         units = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled)).to(tl.int32)
         tl.store(q + r * COLS + cols, units.to(tl.int8))
-        tl.store(sums + r * (COLS // 32) + c * 8 + tl.arange(0, 8), tl.sum(units, axis=1))
+        tl.store(sums + r * (COLS // 16) + c * 16 + tl.arange(0, 16), tl.sum(units, axis=1))
         tl.store(scales + r * (COLS // 256) + c, peak / 127.0)
 
     @triton.jit
@@ -129,7 +141,61 @@ if triton is not None:
                 x = tl.load(q + r[:, None] * COLS + step * 256 + c * 64 + h * 32 + i[None, :], mask=real[:, None],
                             other=0)  # [16, 32]
                 dots += sc[:, None] * tl.dot(_nibbles(b, h, EMULATE), tl.trans(x))
-                row_sums = tl.load(sums + r * (COLS // 32) + step * 8 + 2 * c + h, mask=real, other=0)
+                pair = sums + r * (COLS // 16) + step * 16 + 4 * c + 2 * h  # the sub-block's two sums of 16
+                row_sums = tl.load(pair, mask=real, other=0) + tl.load(pair + 1, mask=real, other=0)
                 mins += mn[:, None] * row_sums[None, :]
         row_scale = tl.load(scales + r * (COLS // 256) + step, mask=real, other=0.0)
         return acc + (d[:, None] * dots.to(tl.float32) - dmin[:, None] * mins.to(tl.float32)) * row_scale[None, :]
+
+    @triton.jit
+    def _q6_quants(low, high, S: tl.constexpr, s: tl.constexpr, EMULATE: tl.constexpr):
+        """Q6_K's unsigned 6-bit quants (int8, 0..63) of the 32 columns (H, S, s): nibble S of the low bytes
+        `low` [BLOCK_N, 32] below bits 2(2S + s) of the high bytes `high` (EMULATE: the interpreter)."""
+        if EMULATE:
+            return (((low >> (4 * S)) & 15) | (((high >> (2 * (2 * S + s))) & 3) << 4)).to(tl.int8)
+        elif S == 0 and s == 0:
+            return tl.inline_asm_elementwise(_Q6_00, "=r,r,r", [low, high], dtype=tl.int8, is_pure=True, pack=4)
+        elif S == 0:
+            return tl.inline_asm_elementwise(_Q6_01, "=r,r,r", [low, high], dtype=tl.int8, is_pure=True, pack=4)
+        elif s == 0:
+            return tl.inline_asm_elementwise(_Q6_10, "=r,r,r", [low, high], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_Q6_11, "=r,r,r", [low, high], dtype=tl.int8, is_pure=True, pack=4)
+
+    @triton.jit
+    def q6k_step(acc, q, scales, sums, rows, blocks, at, step, COLS: tl.constexpr, EMULATE: tl.constexpr):
+        """acc [BLOCK_N, 16] plus the product of the `rows` quantized rows with Q6_K superblock `step` of each
+        weight row at bytes `at` [BLOCK_N] (q4k_step's contract). Q6_K (ql[128], qh[64], int8 scales[16], f16 d):
+        x . w = d_x * d * sum_j sc_j * (q_x . q_j - 32 * sum(q_x over j)) over its 16 sub-blocks j of 16 columns
+        with unsigned quants q_j; column H * 128 + S * 64 + s * 32 + l is nibble S of ql[H * 64 + s * 32 + l]
+        below bits 2(2S + s) of qh[H * 32 + l], sub-block H * 8 + S * 4 + s * 2 + l // 16. A dot takes 32
+        columns; its two sub-blocks are the rows' halves (the other half zeroed), a dot each."""
+        r = tl.arange(0, 16)
+        real = r < rows
+        i = tl.arange(0, 32)
+        first = i < 16
+        # the 16 int8 scales as 8 little-endian 16-bit words (the 210-byte blocks keep 2-byte alignment)
+        head = (blocks + at + 192).to(tl.pointer_type(tl.int16))
+        d = tl.load((blocks + at + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        dots = tl.zeros(acc.shape, dtype=tl.int32)  # sum_j sc_j * (q_x . q_j - 32 * sum(q_x over j))
+        for H in tl.static_range(2):
+            high = tl.load(blocks + at[:, None] + 128 + H * 32 + i[None, :])
+            for s in tl.static_range(2):
+                low = tl.load(blocks + at[:, None] + H * 64 + s * 32 + i[None, :])
+                for S in tl.static_range(2):
+                    j = H * 8 + S * 4 + s * 2  # the first of the 32 columns' two sub-blocks
+                    pair = tl.load(head + j // 2).to(tl.int32)
+                    sc_first = (pair << 24) >> 24  # the low byte, sign-extended
+                    sc_second = pair >> 8
+                    col = step * 256 + H * 128 + S * 64 + s * 32
+                    x = tl.load(q + r[:, None] * COLS + col + i[None, :], mask=real[:, None], other=0)  # [16, 32]
+                    w = _q6_quants(low, high, S, s, EMULATE)
+                    part_first = tl.dot(w, tl.trans(tl.where(first[None, :], x, 0).to(tl.int8)))
+                    part_second = tl.dot(w, tl.trans(tl.where(first[None, :], 0, x).to(tl.int8)))
+                    at_sums = sums + r * (COLS // 16) + step * 16 + j
+                    sum_first = tl.load(at_sums, mask=real, other=0)
+                    sum_second = tl.load(at_sums + 1, mask=real, other=0)
+                    dots += sc_first[:, None] * (part_first - 32 * sum_first[None, :])
+                    dots += sc_second[:, None] * (part_second - 32 * sum_second[None, :])
+        row_scale = tl.load(scales + r * (COLS // 256) + step, mask=real, other=0.0)
+        return acc + d[:, None] * dots.to(tl.float32) * row_scale[None, :]

@@ -87,7 +87,7 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
           Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 SUPPORTED: tuple[int, ...] = tuple(BLOCKS)
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-INTEGER_FORMATS = (Q4_K,)  # bf16 rows take int8_rows.py's integer products with these
+INTEGER_FORMATS = (Q4_K, Q6_K)  # bf16 rows take int8_rows.py's integer products with these
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     is_integer = integer(ggml_type, x.dtype)
     q, scales, sums = int8_rows.quantized_rows(x) if is_integer else (x, x, x)
     # Hopper's bulk copies for the integer path's weight bytes (int8_rows.q4k_step): rows of whole 16-byte units
-    tma = (is_integer and not upcast and _hopper(x.device) and blocks.shape[1] % 16 == 0
+    tma = (is_integer and ggml_type == Q4_K and not upcast and _hopper(x.device) and blocks.shape[1] % 16 == 0
            and blocks.data_ptr() % 16 == 0)
     heads = TensorDescriptor.from_tensor(blocks.view(torch.int32), [tile.block_n, 4]) if tma else blocks
     quants = TensorDescriptor.from_tensor(blocks, [tile.block_n, 32]) if tma else blocks
@@ -234,7 +234,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .int8_rows import q4k_step
+    from .int8_rows import q4k_step, q6k_step
 
     @triton.jit
     def _to_nearest(v, ROUND: tl.constexpr):
@@ -462,8 +462,12 @@ if triton is not None:
         if INTEGER:
             acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             for step in range(first, stop):
-                acc = q4k_step(acc, q, scales, sums, rows, blocks, heads, quants, row_at + step * BLOCK_BYTES,
-                               block * BLOCK_N, step, COLS, EMULATE, TMA)
+                if FMT == 12:
+                    acc = q4k_step(acc, q, scales, sums, rows, blocks, heads, quants, row_at + step * BLOCK_BYTES,
+                                   block * BLOCK_N, step, COLS, EMULATE, TMA)
+                else:
+                    acc = q6k_step(acc, q, scales, sums, rows, blocks, row_at + step * BLOCK_BYTES, step, COLS,
+                                   EMULATE)
             acc = tl.trans(acc)
         else:
             acc = _project(x, blocks, half, row_at, first, stop, live, r, rows, COLS, FMT, QK, BLOCK_BYTES, NB,
