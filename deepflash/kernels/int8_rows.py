@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .triton_support import tl, triton
 
 CHUNK = 256  # columns of a row sharing one int8 scale
@@ -45,7 +46,9 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     q = torch.empty(TILE, cols, dtype=torch.int8, device=x.device)
     scales = torch.empty(TILE, cols // CHUNK, dtype=torch.float32, device=x.device)
     sums = torch.empty(TILE, cols // SUM, dtype=torch.int32, device=x.device)
-    _quantize[(rows, cols // CHUNK)](x.contiguous(), q, scales, sums, COLS=cols, num_warps=4)
+    dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
+    _quantize[(rows, cols // CHUNK)](x.contiguous(), q, scales, sums, COLS=cols, GDC=dependent, num_warps=4,
+                                     launch_pdl=dependent)
     return q, scales, sums
 
 
@@ -62,11 +65,15 @@ if triton is not None:
     _Q6_11 = tl.constexpr(_Q6.replace("LOW", "4").replace("HIGH", "6"))
 
     @triton.jit
-    def _quantize(x, q, scales, sums, COLS: tl.constexpr):
+    def _quantize(x, q, scales, sums, COLS: tl.constexpr, GDC: tl.constexpr):
         """Row r's chunk c: q = x / d rounded half away from zero (ggml's roundf), d = max |x| / 127."""
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before (the rows' producer) and its writes
+            tl.extra.cuda.gdc_wait()
         r, c = tl.program_id(0), tl.program_id(1)
         cols = c * 256 + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16 sums, 16]
         v = tl.load(x + r * COLS + cols).to(tl.float32)
+        if GDC:  # the projection may be placed now (it waits for this kernel's end before it reads)
+            tl.extra.cuda.gdc_launch_dependents()
         peak = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
         scaled = v * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)
         units = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled)).to(tl.int32)

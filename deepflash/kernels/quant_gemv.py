@@ -20,8 +20,8 @@ their row-major order is the columns' order (Q2_K: [BLOCK_N, 2, 4, 2, 16] for 12
 16-column sub-blocks): a step's weights reshape to [BLOCK_N, 256] in column order and take the rows' plain
 [16, 256] tile. Q6_K would need six dimensions; it takes two products a step instead, each of 128 columns in a
 permuted order (S = 0: the low nibbles of its 128 quant bytes, columns 0-63 and 128-191; S = 1: the high
-nibbles, 64-127 and 192-255), with the rows' tile gathered in the same permutation (a few KB, cached). Either way the order of a row's sum
-is fixed by the format and the tiling, never by the row count.
+nibbles, 64-127 and 192-255), with the rows' tile gathered in the same permutation (a few KB, cached). Either
+way the order of a row's sum is fixed by the format and the tiling, never by the row count.
 
 Dequantization computes ggml's float32 values exactly: the operations and their order of gguf.quants'
 dequantize_blocks (Q4_K: (d * scale) * q - dmin * min), the launch without fused multiply-adds
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import int8_rows
+from . import int8_rows, pdl
 from .arrivals import arrival_counters
 from .triton_support import INTERPRETED, tl, triton
 
@@ -216,6 +216,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     x = x.reshape(rows, cols).contiguous()
     is_integer = integer(ggml_type, x.dtype, cols)
     q, scales, sums = int8_rows.quantized_rows(x) if is_integer else (x, x, x)
+    dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
     # Hopper's bulk copies for the integer path's weight bytes (int8_rows.q4k_step): rows of whole 16-byte units
     tma = (is_integer and ggml_type == Q4_K and not upcast and _hopper(x.device) and blocks.shape[1] % 16 == 0
            and blocks.data_ptr() % 16 == 0)
@@ -225,10 +226,10 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
         x, q, scales, sums, blocks, heads, quants, blocks.view(torch.float16),
         blocks if bias is None else bias.contiguous(), out, partial, arrivals, rows, n,
         COLS=cols, FMT=ggml_type, QK=qk, BLOCK_BYTES=nbytes, NB=nb, STEPS=steps, SPAN=per, SLICES=count,
-        INTEGER=is_integer, EMULATE=INTERPRETED, TMA=tma, HAS_BIAS=bias is not None, UPCAST=upcast,
+        INTEGER=is_integer, EMULATE=INTERPRETED, TMA=tma, GDC=dependent, HAS_BIAS=bias is not None, UPCAST=upcast,
         IEEE=x.dtype == torch.float32,
         ROUND=INTERPRETED and x.dtype == torch.bfloat16, WEIGHT_FIRST=tile.weight_first and not upcast,
-        BLOCK_N=tile.block_n, num_warps=tile.warps, num_stages=tile.stages,
+        BLOCK_N=tile.block_n, num_warps=tile.warps, num_stages=tile.stages, launch_pdl=dependent,
         enable_fp_fusion=False)  # ggml's roundings (the module docstring); the interpreter ignores it
     return out
 
@@ -446,12 +447,15 @@ if triton is not None:
     def _quant_gemv(x, q, scales, sums, blocks, heads, quants, half, bias, out, partial, arrivals, rows, n,
                     COLS: tl.constexpr, FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                     NB: tl.constexpr, STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr,
-                    INTEGER: tl.constexpr, EMULATE: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    INTEGER: tl.constexpr, EMULATE: tl.constexpr, TMA: tl.constexpr, GDC: tl.constexpr,
+                    HAS_BIAS: tl.constexpr,
                     UPCAST: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
                     WEIGHT_FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
         """x's rows times row block `block` of the weight over slice `piece` of the reduction; with INTEGER, the
         rows quantized (q, scales, sums: int8_rows.quantized_rows) and int8_rows' integer products (EMULATE: the
         interpreter, without inline PTX)."""
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before (the rows' quantization) and its writes
+            tl.extra.cuda.gdc_wait()
         block, piece = tl.program_id(0), tl.program_id(1)
         r = tl.arange(0, 16)
         outs = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -477,6 +481,8 @@ if triton is not None:
         else:
             acc = _project(x, blocks, half, row_at, first, stop, live, r, rows, COLS, FMT, QK, BLOCK_BYTES, NB,
                            BLOCK_N, ROUND, UPCAST, IEEE, WEIGHT_FIRST)
+        if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
+            tl.extra.cuda.gdc_launch_dependents()
         if SLICES == 1:
             _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS, ROUND)
         else:  # park this slice's sums; the row block's last slice to arrive adds them in slice order
