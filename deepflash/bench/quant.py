@@ -171,7 +171,7 @@ def run(args) -> dict:
         raise UserError(f"unknown formats {sorted(unknown)}; choose from {', '.join(FORMAT_NAMES)}")
     record = {"bench": "quant", **environment(device), "copy_bandwidth_gb_s": bandwidth, "context": CONTEXT,
               "shapes": {}}
-    for name in args.shapes.split(","):
+    for name in filter(None, args.shapes.split(",")):  # --shapes "": the embedded part alone
         if name not in SHAPES:
             raise UserError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
         rows = shape_rows(name, args.layers, formats, device, bandwidth)
@@ -197,7 +197,7 @@ def register(sub) -> None:
                         "memory plan against --card-gib (meta models, any device)")
     p.add_argument("--context", type=int, default=32768, help="tokens of context of --part plan")
     p.add_argument("--card-gib", type=float, default=24.0, help="the card --part plan is held against")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)} (\"\": none)")
     p.add_argument("--formats", default=",".join(FORMAT_NAMES), help="comma list (bf16 first gives the ratios)")
     p.add_argument("--layers", type=int, help="decoder layers of every shape (default: 36 for Qwen3-8B, 16 of "
                                               "Qwen3.5-27B's 64)")
