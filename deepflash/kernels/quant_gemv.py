@@ -87,7 +87,9 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
           Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 SUPPORTED: tuple[int, ...] = tuple(BLOCKS)
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-INTEGER_FORMATS = (Q8_0, Q4_K, Q6_K)  # bf16 rows take int8_rows.py's integer products with these
+# bf16 rows take int8_rows.py's integer products with these. Q8_0 stays exact: on it (its int8 quants straight
+# to the dot, a float multiply-add a block) a Qwen3-8B layer took 315 us at 1 row against the exact path's 199 (H100)
+INTEGER_FORMATS = (Q4_K, Q6_K)
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,8 @@ class Tiling:
 GPU_TILINGS = {fmt: Tiling(64, 8, 4, 2, 3.0, True) for fmt in SUPPORTED}
 # int8_rows.py's integer products, the weights on tl.dot's M side: 64 rows a program, 4 warps, ~4 waves. Of 12
 # tilings on a Qwen3-8B layer (H100, BENCHMARKS.md) the fastest at 1 and 16 rows (148 / 152 us; 128 rows at 2
-# waves 150 / 158; 8 warps 169-276)
-INTEGER_TILING = Tiling(64, 8, 4, 2, 4.0, True)  # Q8_0: 8 blocks (256 columns) a step
+# waves 150 / 158; 8 warps 169-276), timed before Q4_K's bytes came through tensor descriptors (now 124 us at 1 row)
+INTEGER_TILING = Tiling(64, 1, 4, 2, 4.0, True)
 # float32 rows on the GPU (tests' tiny models): tl.dot in "ieee" precision (fused multiply-adds over k in
 # order, no tensor cores); 32 rows spilled hundreds of registers
 FLOAT32_TILING = Tiling(16, 4, 4, 1, 3.0)
@@ -118,10 +120,9 @@ FLOAT32_TILING = Tiling(16, 4, 4, 1, 3.0)
 INTERPRETED_TILING = Tiling(16, 8, 4, 1, 0.0)
 
 
-def tiling(ggml_type: int, dtype: torch.dtype, cols: int) -> Tiling:
-    """The tiling of a weight [*, cols] in `ggml_type` for rows of `dtype` (the place for shape rules once
-    measured)."""
-    return INTEGER_TILING if integer(ggml_type, dtype, cols) and not INTERPRETED else exact_tiling(ggml_type, dtype)
+def tiling(ggml_type: int, dtype: torch.dtype) -> Tiling:
+    """The tiling of a weight in `ggml_type` for rows of `dtype` (the place for shape rules once measured)."""
+    return INTEGER_TILING if integer(ggml_type, dtype) and not INTERPRETED else exact_tiling(ggml_type, dtype)
 
 
 def exact_tiling(ggml_type: int, dtype: torch.dtype) -> Tiling:
@@ -132,11 +133,10 @@ def exact_tiling(ggml_type: int, dtype: torch.dtype) -> Tiling:
     return FLOAT32_TILING if dtype == torch.float32 else GPU_TILINGS[ggml_type]
 
 
-def integer(ggml_type: int, dtype: torch.dtype, cols: int) -> bool:
-    """Whether rows of `dtype` are quantized to int8 for a weight [*, cols] in `ggml_type` (int8_rows.py): bf16
-    rows of the INTEGER_FORMATS, in whole chunks of 256 columns. float32 rows (tests' tiny models, references)
-    keep the exact dequantization, as do Q8_0 weights of other widths (SmolLM2's 576)."""
-    return ggml_type in INTEGER_FORMATS and dtype == torch.bfloat16 and cols % int8_rows.CHUNK == 0
+def integer(ggml_type: int, dtype: torch.dtype) -> bool:
+    """Whether rows of `dtype` are quantized to int8 for a weight in `ggml_type` (int8_rows.py): bf16 rows of
+    the INTEGER_FORMATS. float32 rows (tests' tiny models, references) keep the exact dequantization."""
+    return ggml_type in INTEGER_FORMATS and dtype == torch.bfloat16
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -159,7 +159,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, cols: int,
     weights are rounded to x's dtype and the products summed in float32, but for `integer` formats and dtypes
     (bf16 rows of Q4_K), where the rows are quantized to int8 instead (int8_rows.py)."""
     assert x.dtype in DTYPES, x.dtype
-    return _launch(x, blocks, ggml_type, cols, bias, tiling(ggml_type, x.dtype, cols), INTERPRETED)
+    return _launch(x, blocks, ggml_type, cols, bias, tiling(ggml_type, x.dtype), INTERPRETED)
 
 
 @functools.cache
@@ -214,9 +214,10 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     partial = torch.empty(count * rows * n if count > 1 else 1, dtype=torch.float32, device=x.device)
     arrivals = arrival_counters("quant_gemv", MAX_BLOCKS, x.device)  # per row block
     x = x.reshape(rows, cols).contiguous()
-    is_integer = integer(ggml_type, x.dtype, cols)
+    is_integer = integer(ggml_type, x.dtype)
     q, scales, sums = int8_rows.quantized_rows(x) if is_integer else (x, x, x)
-    dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
+    # a programmatic dependent launch (pdl.py), on the integer path (timed there; the exact path was not)
+    dependent = pdl.dependent(x.device) and is_integer
     # Hopper's bulk copies for the integer path's weight bytes (int8_rows.q4k_step): rows of whole 16-byte units
     tma = (is_integer and ggml_type == Q4_K and not upcast and _hopper(x.device) and blocks.shape[1] % 16 == 0
            and blocks.data_ptr() % 16 == 0)
@@ -237,7 +238,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .int8_rows import q4k_step, q6k_step, q8_0_step
+    from .int8_rows import q4k_step, q6k_step
 
     @triton.jit
     def _to_nearest(v, ROUND: tl.constexpr):
@@ -468,10 +469,7 @@ if triton is not None:
         if INTEGER:
             acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             for step in range(first, stop):
-                if FMT == 8:
-                    acc = q8_0_step(acc, q, scales, rows, blocks, row_at + step * (NB * BLOCK_BYTES), step, COLS,
-                                    EMULATE)
-                elif FMT == 12:
+                if FMT == 12:
                     acc = q4k_step(acc, q, scales, sums, rows, blocks, heads, quants, row_at + step * BLOCK_BYTES,
                                    block * BLOCK_N, step, COLS, EMULATE, TMA)
                 else:
