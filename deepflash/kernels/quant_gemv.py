@@ -55,13 +55,13 @@ products, and the bitwise row invariance with and without a split, on the CPU in
 Triton's interpreter (`TRITON_INTERPRET=1`).
 
 On an H100 (BENCHMARKS.md) this exact path streams 450-680 GB/s of Q4_K blocks and ~1 TB/s of Q8_0, the same for
-1 and 16 rows: 0.7-0.8x bf16's time on a Qwen3-8B layer, some 10 SASS instructions a weight per thread. Q4_K,
-the bulk of a Q4_K_M file, therefore takes int8_rows.py's integer products with bf16 rows (INTEGER_FORMATS): the
-rows quantized to int8, the 4-bit quants used as int8 tiles (4 instructions a weight per thread), each row's sums
-exact integers, so a row's bits still do not depend on the row count; a Qwen3-8B layer in Q4_K takes 148 / 152 us
-at 1 / 16 rows against the exact path's 218 / 222 and bf16's 155 / 161. It streams at most ~1 TB/s of blocks
-whatever the tiling (16-128 rows a program, 1-8 slices), a third of bf16's bandwidth. float32 rows keep the exact
-path.
+1 and 16 rows: 0.7-0.8x bf16's time on a Qwen3-8B layer, some 10 SASS instructions a weight per thread. Q4_K and
+Q6_K, the bulk of a Q4_K_M file, therefore take int8_rows.py's integer products with bf16 rows (INTEGER_FORMATS):
+the rows quantized to int8, the quants used as int8 tiles (4 instructions a weight per thread for Q4_K), each
+row's sums exact integers, so a row's bits still do not depend on the row count. A Qwen3-8B layer in Q4_K takes
+124 us at 1 row (its bytes through tensor descriptors on Hopper) against the exact path's 218 and bf16's 155,
+about 0.9 TB/s of blocks, a third of bf16's bandwidth; in Q6_K 247 us against the exact path's 263. float32 rows
+keep the exact path.
 A kernel that is fast at 1 row but not at 16 (torch's tinygemm: 2.0x bf16 at 1 row, 0.69x at 16) would not serve,
 since a verify step must project as a decode step does.
 """
@@ -157,14 +157,9 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, cols: int,
     """x @ dequantize(blocks).T + bias for x [..., cols] (bf16 or float32, at most 16 rows) and blocks uint8
     [N, row_bytes] (row n's blocks contiguous, in ggml's order); [..., N] in x's dtype. The dequantized
     weights are rounded to x's dtype and the products summed in float32, but for `integer` formats and dtypes
-    (bf16 rows of Q4_K), where the rows are quantized to int8 instead (int8_rows.py)."""
+    (bf16 rows of Q4_K and Q6_K), where the rows are quantized to int8 instead (int8_rows.py)."""
     assert x.dtype in DTYPES, x.dtype
     return _launch(x, blocks, ggml_type, cols, bias, tiling(ggml_type, x.dtype), INTERPRETED)
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.cache
@@ -219,7 +214,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     # a programmatic dependent launch (pdl.py), on the integer path (timed there; the exact path was not)
     dependent = pdl.dependent(x.device) and is_integer
     # Hopper's bulk copies for the integer path's weight bytes (int8_rows.q4k_step): rows of whole 16-byte units
-    tma = (is_integer and ggml_type == Q4_K and not upcast and _hopper(x.device) and blocks.shape[1] % 16 == 0
+    tma = (dependent and ggml_type == Q4_K and not upcast and blocks.shape[1] % 16 == 0
            and blocks.data_ptr() % 16 == 0)
     heads = TensorDescriptor.from_tensor(blocks.view(torch.int32), [tile.block_n, 4]) if tma else blocks
     quants = TensorDescriptor.from_tensor(blocks, [tile.block_n, 32]) if tma else blocks
