@@ -192,8 +192,8 @@ def test_gpu_products(qtype):
 
 
 def test_rows_quantize_as_the_reference_does():
-    """int8_rows.quantized_rows: q, d and the sums of q per 32 columns as the torch reference computes them, bit
-    for bit (a zero chunk: q and d zeros), with the sums of q per 16 columns, in a tile of 16 rows."""
+    """int8_rows.quantized_rows: q, d and the sums of q per 16 columns as the torch reference computes them, bit
+    for bit (a zero chunk: q and d zeros), in a tile of 16 rows."""
     from deepflash.kernels import int8_rows
 
     x = rows(3, 768, torch.bfloat16) * 4
@@ -211,9 +211,8 @@ def test_integer_products_on_the_gpu_tiling(qtype):
     outputs end inside a program's rows (the rows past the weight read its last row and are not stored)."""
     n, cols = 200, 512
     blocks = random_blocks(qtype, n, cols, seed=3)
-    product, _ = integer_product(rows(4, cols, torch.float32).to(torch.bfloat16).float(),
-                                 reference_weight(blocks, qtype))
     x = rows(4, cols, torch.float32).to(torch.bfloat16)
+    product, _ = integer_product(x.float(), reference_weight(blocks, qtype))
     for slices in (1, 2):
         got = run(x, blocks, qtype, cols, slices=slices, tile=quant_gemv.INTEGER_TILING, upcast=False)
         torch.testing.assert_close(got.float(), product.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-2)

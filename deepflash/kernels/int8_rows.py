@@ -4,7 +4,7 @@ quant_gemv.py's exact path turns every weight into a float (ggml's dequantizatio
 tensor-core product: some 10 instructions a weight per thread compiled for sm_90, twice what streaming a Q4_K
 weight at the memory's bandwidth allows. Here the rows are quantized instead, as llama.cpp's CPU dot
 products do (its q8_K): each row's 256-column chunks to int8, q = round(x / d) with d = max |x| / 127, with the
-sums of q over each 32 columns. A Q4_K superblock then needs its 4-bit quants only as int8 tiles (one LOP3
+sums of q over each 16 columns (two make a Q4_K sub-block's). A Q4_K superblock then needs its 4-bit quants only as int8 tiles (one LOP3
 turns 4 bytes' low nibbles into 4 int8, a shift and a LOP3 the high ones), and its sums are exact integers:
 
     x . w = d_x * (d * sum_j sc_j * (q_x . q_j) - dmin * sum_j m_j * sum(q_x over sub-block j))
