@@ -4,6 +4,9 @@ a kernel (non-view aten ops outside the Triton launches) with a dispatch mode. A
 families is bound by how many kernels it runs, so the count says where fusion pays.
 
     TRITON_INTERPRET=1 python scripts/count_launches.py --families qwen3,qwen3-moe,qwen3.5,qwen3.5-moe --out F.json
+
+--format Q4_K_M (or another of bench quant's formats) counts a target whose weights are random blocks of that
+format (llama.cpp's Q4_K_M mix), at widths of whole 256-column superblocks.
 """
 
 import argparse
@@ -18,8 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from deepflash.bench.families import family_shape  # noqa: E402
+from deepflash.bench.quant import FORMAT_NAMES, format_of  # noqa: E402
 from deepflash.models import random_model  # noqa: E402
 from deepflash.models.config import ModelConfig  # noqa: E402
+from deepflash.quant.random_weights import quantize_random_  # noqa: E402
 
 # ops that launch no kernel (views, allocations, host scalars)
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "lift_fresh", "result_type",
@@ -61,12 +66,24 @@ class Launches(TorchDispatchMode):
         return Counter(self.triton), Counter(self.torch)
 
 
-def layer_counts(family: str) -> list[dict]:
-    """Each decoder layer's launches in a decode step after a 32-token prefill, on a 4-layer tiny model."""
+# every projection's input width a whole number of 256-column superblocks (the k-quants')
+SUPERBLOCK_WIDTHS = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
+                     "shared_expert_intermediate_size": 256, "head_dim": 64, "linear_key_head_dim": 64,
+                     "linear_value_head_dim": 64}
+
+
+def layer_counts(family: str, fmt: str = "bf16") -> list[dict]:
+    """Each decoder layer's launches in a decode step after a 32-token prefill, on a 4-layer tiny bf16 model
+    (fmt: its weights in blocks of a bench quant format)."""
     shape = family_shape(family, "tiny", 4)
+    if fmt != "bf16":
+        shape = {**shape, **{k: v for k, v in SUPERBLOCK_WIDTHS.items() if k in shape}}
     cfg = ModelConfig.from_hf(shape)
     types = shape.get("layer_types") or ["full_attention"] * 4
-    target = random_model(cfg, device="cpu", dtype=torch.float32, seed=0, std=0.02).use_kernels("triton")
+    target = random_model(cfg, device="cpu", dtype=torch.bfloat16, seed=0, std=0.02)
+    if fmt != "bf16":
+        target = quantize_random_(target, format_of(fmt, 4), seed=0)
+    target = target.use_kernels("triton")
     cache = target.new_cache(1, 64)
     layers = [m for name, m in target.named_modules() if name.count(".") == 2 and ".layers." in name]
     marks: dict[int, list] = {i: [] for i in range(len(layers))}
@@ -92,11 +109,12 @@ def layer_counts(family: str) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--families", default="qwen3,qwen3-moe,qwen3.5,qwen3.5-moe")
+    p.add_argument("--format", default="bf16", choices=FORMAT_NAMES)
     p.add_argument("--out")
     args = p.parse_args()
     record = {}
     for family in args.families.split(","):
-        record[family] = rows = layer_counts(family)
+        record[family] = rows = layer_counts(family, args.format)
         seen = set()
         for row in rows:
             if row["type"] not in seen:

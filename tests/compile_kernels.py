@@ -131,6 +131,7 @@ def model_kernels():
         rows_argmax(torch.zeros(t, 49152 if hidden == 576 else 151936, dtype=dtype))
         # a drafter's context rows: K and V only (DrafterAttention.write_ring)
         rope_and_write(qkv[..., heads * dim :], cos, cos, torch.arange(t), k, v, 0, kv_heads, gain, gain, 1e-6)
+    hybrid_kernels()
     # a verify step's acceptance (a block of 16), posting its result to the host (the engine's form) and not
     long = dict(dtype=torch.long)
     for mailbox in [(torch.zeros((), **long), torch.zeros(3, 18, **long)), None]:
@@ -138,6 +139,51 @@ def model_kernels():
                       torch.zeros(1, **long), torch.zeros((), **long), torch.zeros((), **long), mailbox)
     # a plain step's result posted to the host (mailbox.py)
     post_kernel(torch.zeros(17, **long), torch.zeros((), **long), torch.zeros(3, 18, **long))
+
+
+def hybrid_kernels():
+    """The Qwen3.5 / Qwen3.6 kernels at Qwen3.6-35B-A3B's widths in bf16, 16 tokens (1-16: one binary each),
+    launched as dependents (pdl.py) as on a Hopper GPU."""
+    from deepflash.kernels import delta_rule, pdl
+    from deepflash.kernels.attention import decode_attention
+    from deepflash.kernels.delta_inputs import delta_inputs
+    from deepflash.kernels.gemv import norm_linear
+    from deepflash.kernels.layer_ops import GATED_RMS, add_rms_norm, row_norm
+    from deepflash.kernels.moe import combine
+    from deepflash.kernels.rope import rope_and_write
+    from deepflash.kernels.router import route
+
+    dependent = pdl.dependent
+    pdl.dependent = lambda device: True
+    bf16, f32, t = torch.bfloat16, torch.float32, 16
+    (hk, hv), (dk, dv), width = (16, 32), (128, 128), 3
+    channels = 2 * hk * dk + hv * dv
+    proj = torch.zeros(1, t, channels + hv * dv + 2 * hv, dtype=bf16)  # the fused input projection: qkv, z, b, a
+    qkv, z, b, a = proj.split([channels, hv * dv, hv, hv], dim=-1)
+    conv = torch.zeros(1, channels, width, dtype=bf16)
+    for window in (None, torch.zeros(1, channels, width + t, dtype=bf16)):
+        q, k, v, g, beta = delta_inputs(qkv, b, a, conv, torch.zeros(channels, 1, width + 1, dtype=bf16),
+                                        torch.zeros(1, dtype=torch.bool), torch.zeros(hv, dtype=bf16),
+                                        torch.zeros(hv, dtype=bf16), (hk, hv), (dk, dv), window)
+    state = torch.zeros(1, hv, dk, dv, dtype=f32)
+    out, _ = delta_rule.recurrent(q, k, v, g, beta, state, out_dtype=bf16, final=state)
+    delta_rule.state_after(k, v, g, beta, state, torch.zeros((), dtype=torch.int64), torch.zeros_like(state))
+    row_norm(out, GATED_RMS, 1e-6, torch.ones(dv, dtype=bf16), z.view(1, t, hv, dv))
+    x = torch.zeros(t, 2048, dtype=bf16)
+    add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, offset=True)
+    norm_linear(x, x, torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(proj.shape[-1], 2048, dtype=bf16), offset=True)
+    experts, _ = route(torch.zeros(t, 256, dtype=bf16), 8, True, bf16)
+    combine(torch.zeros(t * 8, 2048, dtype=f32), x, 8, (x, torch.zeros(t, 257, dtype=bf16)[:, 256:]))
+    # gated attention: 16 query heads of 256 with their gates, 2 kv heads, a rotary width of 64
+    heads, kv_heads, dim = 16, 2, 256
+    qkv = torch.zeros(1, t, (2 * heads + 2 * kv_heads) * dim, dtype=bf16)
+    k_cache, v_cache = (torch.zeros(1, kv_heads, 512, dim, dtype=bf16) for _ in range(2))
+    cos, gain = torch.zeros(t, 64, dtype=bf16), torch.zeros(dim, dtype=bf16)
+    q = rope_and_write(qkv, cos, cos, torch.arange(t), k_cache, v_cache, heads, kv_heads, gain, gain, 1e-6,
+                       gated=True, offset=True)
+    gate = qkv[..., : 2 * heads * dim].view(1, t, heads, 2 * dim)[..., dim:]
+    decode_attention(q, k_cache, v_cache, torch.arange(t), 64, gate)
+    pdl.dependent = dependent
 
 
 if __name__ == "__main__":

@@ -112,9 +112,9 @@ def test_keep_leaves_a_hybrid_targets_states_as_decode_steps_do(monkeypatch, tok
 
         runs = []  # each DeltaNet layer's kernel inputs and start state, in layer order
         kernel = delta_rule.recurrent
-        def recorded(*inputs):
-            runs.append((inputs[:5], inputs[5].clone()))  # the start: the cache's buffer, overwritten next
-            return kernel(*inputs)
+        def recorded(*inputs, **options):
+            runs.append((inputs[:5], inputs[5].clone()))  # the start: the cache's buffer, updated in place
+            return kernel(*inputs, **options)
 
         monkeypatch.setattr(delta_rule, "recurrent", recorded)
         verify()
@@ -144,9 +144,9 @@ def test_greedy_speculative_equals_plain_on_the_kernel(monkeypatch):
     drafter = tiny_drafter(drafter_config(target.cfg, taps=(1, 3)), dtype=torch.float32).to(DEVICE)
     runs, kept = [], []
     recurrent, state_after = delta_rule.recurrent, delta_rule.state_after
-    def counted(q, *rest):
+    def counted(q, *rest, **options):
         runs.append(q.shape[2])
-        return recurrent(q, *rest)
+        return recurrent(q, *rest, **options)
 
     def replayed(*inputs):
         kept.append(inputs[-1])

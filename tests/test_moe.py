@@ -128,7 +128,8 @@ def test_kernels_in_the_model():
                        moe_intermediate_size=INNER, norm_topk_prob=True, num_hidden_layers=2)
     models = [random_model(cfg, DEVICE, torch.float32, std=0.2) for _ in range(2)]
     models[1].use_kernels("triton")
-    assert [m.experts.kernels for m in models[1].modules() if isinstance(m, SparseMoe)] == [SHIPPED] * 2
+    blocks = [m for m in models[1].modules() if isinstance(m, SparseMoe)]
+    assert [m.kernels for m in blocks] == [m.experts.kernels for m in blocks] == [SHIPPED] * 2
     caches = [m.new_cache(1, 32) for m in models]
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     outs = [m(ids, torch.arange(20, device=DEVICE), c, 20)[0] for m, c in zip(models, caches)]
@@ -137,6 +138,31 @@ def test_kernels_in_the_model():
         outs += [m(step, positions, c, 24)[0] for m, c in zip(models, caches)]
     for torch_logits, triton_logits in zip(outs[::2], outs[1::2]):
         torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("count, top_k", [(128, 8), (60, 4)])  # Qwen3-30B-A3B's router; a width padded in the kernel
+def test_router_kernel_chooses_what_torch_does(count, top_k, normalize):
+    from deepflash.kernels import router
+
+    logits = torch.randn(16, count, generator=torch.Generator().manual_seed(count)).to(DEVICE)
+    torch_router = SparseMoe(8, 8, count, top_k, normalize).gate
+    want = torch_router.choose(logits, torch.bfloat16)
+    got = router.route(logits, top_k, normalize, torch.bfloat16)
+    assert torch.equal(got[0], want[0])  # the same experts, in decreasing probability
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+def test_a_blocks_rows_route_as_one_row():
+    """With the kernels on, 16 rows route each row with the bits one row gets (the logits on kernels/gemv.py, the
+    rest in kernels/router.py): a verify step's tokens take a decode step's experts and weights."""
+    moe = moe_layer(torch.float32, 64, 96, 16, 8, DEVICE)
+    moe.kernels = SHIPPED
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    experts, weights = moe._route(x)
+    for i in range(16):
+        alone = moe._route(x[i : i + 1])
+        assert torch.equal(alone[0], experts[i : i + 1]) and torch.equal(alone[1], weights[i : i + 1]), i
 
 
 @pytest.mark.parametrize("form", ["_dense", "_grouped"])
@@ -151,6 +177,7 @@ def test_qwen3_5_moe_block_rounds_no_worse_than_transformers(form):
     from deepflash.bench.families import family_shape
     from deepflash.models.config import ModelConfig
     from deepflash.models.qwen3_5 import SharedExpertMoe
+    from deepflash.quant.experts import add_shared
 
     shape = family_shape("qwen3.5-moe", "tiny")
     config = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in shape.items() if k != "model_type"})
@@ -161,7 +188,8 @@ def test_qwen3_5_moe_block_rounds_no_worse_than_transformers(form):
     ours = SharedExpertMoe(ModelConfig.from_hf(config.to_dict()))
     ours.load_state_dict(theirs.state_dict())
     ours = ours.bfloat16().requires_grad_(False)
-    ours.experts.forward = getattr(ours.experts, form)
+    torch_form = getattr(ours.experts, form)
+    ours.experts.forward = lambda x, experts, weights, shared: add_shared(torch_form(x, experts, weights), shared)
     x = torch.randn(1, 300, config.hidden_size, generator=torch.Generator().manual_seed(1))
     want, routed = theirs(x)[0], theirs.gate(x)[2].sort(-1).values
     theirs.bfloat16()

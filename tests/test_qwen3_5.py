@@ -97,7 +97,7 @@ def test_auto_kernels_are_triton_on_cuda(monkeypatch, cuda):
     target = hybrid_target("moe").use_kernels("auto")
     chosen = {(type(m).__name__, m.kernels is not None) for m in target.modules() if hasattr(m, "kernels")}
     names = {"GatedDeltaNet", "MLP", "Experts", "Qwen35Model", "GatedAttention", "SharedExpertMoe", "OffsetRMSNorm",
-             "GatedRMSNorm"}
+             "GatedRMSNorm", "DecoderLayer"}
     assert chosen == {(name, cuda) for name in names}
 
 

@@ -61,10 +61,11 @@ MERGE_WARPS = 4
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     kv_len: int) -> torch.Tensor:
+                     kv_len: int, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, T, D], caches [B, Hkv, S, D], positions [T]: each query's position (keys 0..position
     are visible; a step's positions are consecutive), kv_len the cache span to consider. Returns
-    [B, H, T, D] (a view of [B, T, H, D])."""
+    [B, H, T, D] (a view of [B, T, H, D]). gate [B, T, H, D], any strides but a unit one over D: the output
+    times sigmoid(gate), each rounded to q's dtype as torch's ops round (Qwen3.5's gated attention)."""
     b, heads, t, dim = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
@@ -87,7 +88,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # binary per cache
     dims = min(MERGE_DIMS, dim)
     narrow, middle, wide = MERGE_TILES
-    _merge[(b * kv_heads * t * groups, dim // dims)](partial, positions, out, t, kv_heads, splits, GROUPS=groups,
+    gated = gate is not None
+    gate_strides = gate.stride()[:3] if gated else (0, 0, 0)
+    assert not gated or gate.stride(-1) == 1, gate.stride()
+    _merge[(b * kv_heads * t * groups, dim // dims)](partial, positions, out, gate if gated else out, *gate_strides,
+                                                      t, kv_heads, splits, GATED=gated, GROUPS=groups,
                                                       GROUP_PAD=group_pad, DIM=dim, DIMS=dims, CHUNK=CHUNK,
                                                       NARROW=narrow, MIDDLE=middle, WIDE=wide,
                                                       TILES=triton.cdiv(k_cache.shape[2], CHUNK * wide),
@@ -180,8 +185,9 @@ if triton is not None:
                 best = best_new
         return norm, acc
 
-    @triton.jit(do_not_specialize=["T"])
-    def _merge(partial, positions, out, T, kv_heads, splits, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "gate_batch"])
+    def _merge(partial, positions, out, gate, gate_batch, gate_token, gate_head, T, kv_heads, splits,
+               GATED: tl.constexpr, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
                DIM: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr, NARROW: tl.constexpr,
                MIDDLE: tl.constexpr, WIDE: tl.constexpr, TILES: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the chunks and their writes
@@ -203,4 +209,8 @@ if triton is not None:
             norm, acc = _merge_tiles(partial, row, g, d, seen, splits, WIDE, TILES, GROUP_PAD, DIM, DIMS)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, (acc / norm).to(out.dtype.element_ty))
+        o = (acc / norm).to(out.dtype.element_ty)
+        if GATED:  # o * sigmoid(gate), rounded as torch rounds each
+            x = tl.load(gate + b * gate_batch + token * gate_token + head * gate_head + d).to(tl.float32)
+            o = (o.to(tl.float32) * (1.0 / (1.0 + tl.exp(-x))).to(out.dtype.element_ty).to(tl.float32))
+        tl.store(out + ((b * T + token) * kv_heads * GROUPS + head) * DIM + d, o.to(out.dtype.element_ty))

@@ -21,10 +21,12 @@ The replay (`state_after`) is the same launch over a recorded run's inputs from 
 only the first n tokens are applied: n is read on the device, so a rollback needs no host sync and one
 CUDA graph serves every n.
 
-Outputs and the final state are float32. The state columns of a head split into programs, not its Dk
-rows: each program's reductions stay whole and in registers. The tile is fla's, not yet measured here on
-a GPU. Chosen for the DeltaNet layers with the target's kernels (TargetModel.use_kernels; Qwen3.5 takes
-it under "auto" on CUDA); `TRITON_INTERPRET=1` runs it on the CPU for the tests (models/delta_rule.py
+The final state is float32, the outputs float32 or the model's dtype (the layer's next kernel reads them so).
+The q/k heads may be fewer than the value heads, each serving a group of them (kernels/delta_inputs.py stores
+them once), and the final state may overwrite the start state in place. The state columns of a head split into
+programs, not its Dk rows: each program's reductions stay whole and in registers. The tile is fla's, not yet
+measured here on a GPU. Chosen for the DeltaNet layers with the target's kernels (TargetModel.use_kernels; Qwen3.5
+takes it under "auto" on CUDA); `TRITON_INTERPRET=1` runs it on the CPU for the tests (models/delta_rule.py
 recurrent_form is the reference).
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .triton_support import tl, triton
 
 MAX_TOKENS = 16  # a verify step's block; longer runs (prefill) take the chunked forms
@@ -51,38 +54,46 @@ def fits(state: torch.Tensor, tokens: int) -> bool:
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """recurrent_form's computation: q, k [B, H, T, Dk] (L2-normalised, q scaled by Dk^-0.5), v [B, H, T, Dv],
-    g, beta [B, H, T], state [B, H, Dk, Dv], all float32, any strides. Returns out [B, H, T, Dv] (a view of
-    [B, T, H, Dv], the layout the layer reads back) and the final state. count, a 0-dim int64 tensor on the
-    state's device: apply only the first `count` tokens (state_after's replay); None: all of them."""
-    b, heads, tokens, key_dim = k.shape
-    value_dim = v.shape[-1]
+              state: torch.Tensor, count: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float32,
+              final: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """recurrent_form's computation: q, k [B, Hk, T, Dk] (L2-normalised, q scaled by Dk^-0.5), v [B, H, T, Dv],
+    g, beta [B, H, T], state [B, H, Dk, Dv], all float32, any strides. Hk divides H: each q/k head serves H / Hk
+    consecutive value heads (delta_inputs.py stores them once). Returns out [B, H, T, Dv] in out_dtype (a view
+    of [B, T, H, Dv], the layout the layer reads back) and the final state, written to `final` where given (it
+    may be `state` itself: each program reads its slice of the state before it writes it). count, a 0-dim
+    int64 tensor on the state's device: apply only the first `count` tokens (state_after's replay); None: all
+    of them."""
+    b, heads, tokens, value_dim = v.shape
+    key_heads, key_dim = k.shape[1], k.shape[-1]
     assert fits(state, tokens) and q.dtype == k.dtype == v.dtype == g.dtype == beta.dtype == state.dtype, (
         tokens, state.dtype, state.shape, q.dtype)
+    assert heads % key_heads == 0 and q.shape[1] == key_heads, (q.shape, k.shape, v.shape)
     q, k, v = (_rows(x) for x in (q, k, v))
-    out = torch.empty((b, tokens, heads, value_dim), dtype=torch.float32, device=state.device)
-    final = torch.empty_like(state)
+    out = torch.empty((b, tokens, heads, value_dim), dtype=out_dtype, device=state.device)
+    final = torch.empty_like(state) if final is None else final
     counted = count is not None
     if not counted:  # a placeholder the kernel does not read: a pointer of the same type keeps one binary
         count = torch.empty((), dtype=torch.int64, device=state.device)
     block_v = min(BLOCK_V, triton.next_power_of_2(value_dim))
+    dependent = pdl.dependent(state.device)  # a programmatic dependent launch (pdl.py)
     _recurrent[(b * heads, triton.cdiv(value_dim, block_v))](
         q, k, v, g, beta, state, out, final, tokens, count, int(counted), *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *g.stride(), *beta.stride(), HEADS=heads, DK=key_dim, DV=value_dim,
-        BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        *v.stride()[:3], *g.stride(), *beta.stride(), HEADS=heads, GROUP=heads // key_heads, DK=key_dim,
+        DV=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, GDC=dependent, num_warps=NUM_WARPS,
+        enable_fp_fusion=False, launch_pdl=dependent)
     return out.transpose(1, 2), final
 
 
 def state_after(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-                n: int | torch.Tensor) -> torch.Tensor:
+                n: int | torch.Tensor, final: torch.Tensor | None = None) -> torch.Tensor:
     """The state after the first n tokens of a run that `recurrent` computed from `state` with these k, v, g,
-    beta (hybrid_cache.py's rollback): the same launch over the run's tokens, applying the first n, so its
-    bits are those of n decode steps. n: an int, or a 0-dim int64 tensor on the state's device, read there
-    (no host sync; one CUDA graph serves every n). Outputs are not wanted, so k stands in for q: GatedDeltaNet
-    lays the two out alike, so the binary (specialised on their strides) is the run's own."""
+    beta (hybrid_cache.py's rollback), written to `final` where given: the same launch over the run's tokens,
+    applying the first n, so its bits are those of n decode steps. n: an int, or a 0-dim int64 tensor on the
+    state's device, read there (no host sync; one CUDA graph serves every n). Outputs are not wanted, so k
+    stands in for q: GatedDeltaNet lays the two out alike, so the binary (specialised on their strides) is the
+    run's own."""
     count = torch.as_tensor(n, dtype=torch.int64, device=state.device)
-    return recurrent(k, k, v, g, beta, state, count)[1]
+    return recurrent(k, k, v, g, beta, state, count, final=final)[1]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +107,14 @@ if triton is not None:
                 do_not_specialize_on_alignment=["count"])
     def _recurrent(q, k, v, g, beta, start, out, final, tokens, count, counted, q_batch, q_head, q_token, k_batch,
                    k_head, k_token, v_batch, v_head, v_token, g_batch, g_head, g_token, beta_batch, beta_head,
-                   beta_token, HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+                   beta_token, HEADS: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before (delta_inputs) and its writes
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel waits for this one's end before it reads
         bh = tl.program_id(0).to(tl.int64)  # b * HEADS + h
         b, h = bh // HEADS, bh % HEADS
+        kh = h // GROUP  # the q/k head serving value head h
         rows = tl.arange(0, BLOCK_K)  # the state's Dk rows, padded to a power of two with zeros
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         row_in, col_in = rows < DK, cols < DV
@@ -110,13 +125,14 @@ if triton is not None:
         if counted != 0:  # a replay: the first `count` tokens of the run (clamped to it: count is not checked)
             applied = tl.minimum(tl.load(count).to(tl.int32), tokens)
         for t in range(applied):
-            k_t = tl.load(k + b * k_batch + h * k_head + t * k_token + rows, mask=row_in, other=0.0)
-            q_t = tl.load(q + b * q_batch + h * q_head + t * q_token + rows, mask=row_in, other=0.0)
+            k_t = tl.load(k + b * k_batch + kh * k_head + t * k_token + rows, mask=row_in, other=0.0)
+            q_t = tl.load(q + b * q_batch + kh * q_head + t * q_token + rows, mask=row_in, other=0.0)
             v_t = tl.load(v + b * v_batch + h * v_head + t * v_token + cols, mask=col_in, other=0.0)
             g_t = tl.load(g + b * g_batch + h * g_head + t * g_token)
             beta_t = tl.load(beta + b * beta_batch + h * beta_head + t * beta_token)
             s = s * tl.exp(g_t)  # g = -inf (a sequence's first decode token) forgets the state: exp = 0
             delta = beta_t * (v_t - tl.sum(k_t[:, None] * s, axis=0))
             s = s + k_t[:, None] * delta[None, :]
-            tl.store(out + ((b * tokens + t) * HEADS + h) * DV + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_in)
+            o_t = tl.sum(q_t[:, None] * s, axis=0)
+            tl.store(out + ((b * tokens + t) * HEADS + h) * DV + cols, o_t.to(out.dtype.element_ty), mask=col_in)
         tl.store(final + tile, s, mask=inside)

@@ -61,18 +61,18 @@ def small(weight: torch.Tensor, tiling: ProjectionTiling = SHIPPED) -> bool:
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, gain: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None,
-                total: torch.Tensor | None = None, tiling: ProjectionTiling = SHIPPED
+                total: torch.Tensor | None = None, tiling: ProjectionTiling = SHIPPED, offset: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s) * gain @ weight.T + bias) with s = x + delta (x when delta is None), rounded to
     x's dtype as layer_ops.add_rms_norm rounds it; s * gain is rounded to the weight's dtype and the
     float32 product scaled by 1/rms (the module docstring). `total`: where s goes (a feature tap reads
-    it there: layers.tap); a new tensor when None."""
+    it there: layers.tap); a new tensor when None. offset: the gain is 1 + gain (Qwen3.5's norms)."""
     if delta is None:
         total = x  # nothing to add: the input is the residual stream
     elif total is None:
         total = torch.empty_like(x)
     out = _launch(ADD_NORM if delta is not None else NORM, x, x if delta is None else delta, gain, total,
-                  weight, bias, x.shape[-1], eps, tiling)
+                  weight, bias, x.shape[-1], eps, tiling, offset)
     return total, out
 
 
@@ -114,7 +114,8 @@ def split(blocks: int, steps: int, sms: int, waves: float) -> tuple[int, int]:
     return triton.cdiv(steps, per), per
 
 
-def _launch(mode, x, delta, gain, total, weight, bias, width, eps, tiling: ProjectionTiling) -> torch.Tensor:
+def _launch(mode, x, delta, gain, total, weight, bias, width, eps, tiling: ProjectionTiling,
+            offset: bool = False) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     assert rows <= TILE and weight.shape[1] == width and weight.is_contiguous(), (rows, weight.shape, width)
     n = weight.shape[0]
@@ -142,7 +143,7 @@ def _launch(mode, x, delta, gain, total, weight, bias, width, eps, tiling: Proje
     arrivals = arrival_counters("gemv", MAX_BLOCKS, x.device)  # per column block
     _gemv[(blocks, slices)](
         x.contiguous(), delta.contiguous(), gain, total, weight, tiles, weight if bias is None else bias, out,
-        partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode,
+        partial, partial[squares_at:], arrivals, rows, n, eps, WIDTH=width, MODE=mode, OFFSET=offset,
         HAS_BIAS=bias is not None, UPCAST=upcast, GDC=dependent, SLICES=slices, SPAN=steps * block_k,
         BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=tiling.unroll_from is not None and slices >= tiling.unroll_from,
         WEIGHT_FIRST=weight_first and not upcast, TMA=tma, num_warps=warps, num_stages=stages, launch_pdl=dependent)
@@ -153,7 +154,7 @@ if triton is not None:
 
     @triton.jit
     def _slice_rows(x, delta, gain, total, rows, r, k, write_total, WIDTH: tl.constexpr, MODE: tl.constexpr,
-                    OUT: tl.constexpr):
+                    OFFSET: tl.constexpr, OUT: tl.constexpr):
         """(rows [16, BLOCK_K] of the projection's input at columns k before any 1/rms, rounded to OUT;
         their float32 sums of squares [16], zero for silu and plain)."""
         inside = (r < rows)[:, None] & (k < WIDTH)[None, :]
@@ -173,6 +174,8 @@ if triton is not None:
                 tl.store(total + at, s, mask=inside)
         s = s.to(tl.float32)
         g = tl.load(gain + k, mask=k < WIDTH, other=0.0).to(tl.float32)
+        if OFFSET:
+            g = 1.0 + g
         return (s * g[None, :]).to(OUT), tl.sum(s * s, axis=1)
 
     @triton.jit
@@ -195,9 +198,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
     def _gemv(x, delta, gain, total, weight, tiles, bias, out, partial, partial_squares, arrivals, rows, n, eps,
-              WIDTH: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-              GDC: tl.constexpr, SLICES: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WEIGHT_FIRST: tl.constexpr, TMA: tl.constexpr):
+              WIDTH: tl.constexpr, MODE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+              UPCAST: tl.constexpr, GDC: tl.constexpr, SLICES: tl.constexpr, SPAN: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+              TMA: tl.constexpr):
         if GDC:  # launched as a dependent (pdl.py): wait for the kernel before and its writes
             tl.extra.cuda.gdc_wait()
         block, piece = tl.program_id(0), tl.program_id(1)
@@ -210,7 +214,8 @@ if triton is not None:
         squares = tl.zeros([16], dtype=tl.float32)
         for k0 in range(0, SPAN, BLOCK_K):
             k = piece * SPAN + k0 + tl.arange(0, BLOCK_K)
-            a, sq = _slice_rows(x, delta, gain, total, rows, r, k, block == 0, WIDTH, MODE, weight.dtype.element_ty)
+            a, sq = _slice_rows(x, delta, gain, total, rows, r, k, block == 0, WIDTH, MODE, OFFSET,
+                                weight.dtype.element_ty)
             squares += sq
             if TMA:  # zeros past the weight's edges, as the masked load
                 w = tiles.load([block * BLOCK_N, piece * SPAN + k0])

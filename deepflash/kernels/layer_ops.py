@@ -21,11 +21,11 @@ OFFSET_RMS, L2, GATED_RMS = 0, 1, 2  # row_norm's modes
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 total: torch.Tensor | None = None, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) over the last dim; the sum is rounded to the input dtype before
     it is normalised, as the torch form does, and written to `total` when given (a feature tap's:
     layers.tap). y None: (x, rms_norm(x) * weight) by the same kernel (the first layer's input, the
-    embeddings)."""
+    embeddings). offset: scale by (1 + weight) instead (Qwen3.5's norms, whose weights are offsets)."""
     width = x.shape[-1]
     x = x.contiguous()
     normed = torch.empty_like(x)
@@ -34,7 +34,8 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     # one program holds a whole row (the norm's reduction); wide rows get more warps, as in Triton's
     # layer-norm tutorial: 4 up to 1024 values (SmolLM2's 576), 8 from 2048 (Qwen3-8B's 4096)
     _add_rms_norm[(x.numel() // width,)](x, x if y is None else y.contiguous(), weight, total, normed, width, eps,
-                                         BLOCK=block, ADD=y is not None, num_warps=min(max(block // 256, 4), 8))
+                                         BLOCK=block, ADD=y is not None, OFFSET=offset,
+                                         num_warps=min(max(block // 256, 4), 8))
     return total, normed
 
 
@@ -46,14 +47,28 @@ def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor | None
     In float32, rounded to x's dtype at the end. Modes: OFFSET_RMS (x * rsqrt(mean(x^2) + eps) * (1 + weight):
     Qwen3.5's norms), L2 (x * rsqrt(sum(x^2) + eps), no weight), GATED_RMS (x * rsqrt(mean(x^2) + eps)
     rounded to x's dtype, times weight rounded again, times silu(gate): the DeltaNet's GatedRMSNorm, in its
-    rounding order)."""
+    rounding order). The gate may be a slice of a wider tensor (the DeltaNet's fused input projection):
+    rows of whole heads [..., heads, width], heads of unit stride within a row, rows at any stride."""
     width = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
     block = triton.next_power_of_2(width)
-    _row_norm[(x.numel() // width,)](x, x if weight is None else weight, x if gate is None else gate.contiguous(),
-                                     out, width, eps, BLOCK=block, MODE=mode, num_warps=min(max(block // 256, 4), 8))
+    gate_rows, heads = _head_rows(x if gate is None else gate)
+    _row_norm[(x.numel() // width,)](x, x if weight is None else weight, gate_rows, out, width, heads,
+                                     gate_rows.stride(0), eps, BLOCK=block, MODE=mode,
+                                     num_warps=min(max(block // 256, 4), 8))
     return out
+
+
+def _head_rows(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """gate as [rows, heads, width] with heads at unit stride, copied only where no view gives that, and heads."""
+    heads = gate.shape[-2] if gate.dim() > 1 else 1
+    if gate.stride(-1) == 1 and (heads == 1 or gate.stride(-2) == gate.shape[-1]):
+        try:
+            return gate.view(-1, heads, gate.shape[-1]), heads
+        except RuntimeError:  # leading dims that no view flattens
+            pass
+    return gate.contiguous().view(-1, heads, gate.shape[-1]), heads
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -70,7 +85,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm(x, y, weight, total, normed, width, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    def _add_rms_norm(x, y, weight, total, normed, width, eps, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                      OFFSET: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
@@ -82,10 +98,12 @@ if triton is not None:
             s = s.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / width + eps)
         gain = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        if OFFSET:
+            gain = 1.0 + gain
         tl.store(normed + offsets, (s * inv_rms * gain).to(normed.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _row_norm(x, weight, gate, out, width, eps, BLOCK: tl.constexpr, MODE: tl.constexpr):
+    def _row_norm(x, weight, gate, out, width, heads, gate_stride, eps, BLOCK: tl.constexpr, MODE: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
@@ -101,7 +119,8 @@ if triton is not None:
                 s = s * (1.0 + w)
             else:  # GATED_RMS: rounded to the dtype before and after the weight, as GatedRMSNorm does
                 s = (w * s.to(out.dtype.element_ty).to(tl.float32)).to(out.dtype.element_ty).to(tl.float32)
-                g = tl.load(gate + offsets, mask=inside, other=0.0).to(tl.float32)
+                gate_at = (row // heads).to(tl.int64) * gate_stride + (row % heads) * width + cols
+                g = tl.load(gate + gate_at, mask=inside, other=0.0).to(tl.float32)
                 s = s * (g / (1.0 + tl.exp(-g)))
         tl.store(out + offsets, s.to(out.dtype.element_ty), mask=inside)
 

@@ -48,10 +48,10 @@ def fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
 
 
 def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum over each token's k experts e of weight * (silu(x @ Wg_e.T) * (x @ Wu_e.T)) @ Wd_e.T, for x [N, H]
     (N <= 16), experts / weights [N, k] (the router's), gate_up [E, 2I, H] (gate rows first) and down
-    [E, H, I]. Returns [N, H] in x's dtype."""
+    [E, H, I]. Returns [N, H] in x's dtype. shared: a shared expert's output and gate logits to add (combine)."""
     n, width = x.shape
     top_k, inner = experts.shape[1], down.shape[-1]
     assert fits(x, gate_up, down), (x.shape, x.dtype, gate_up.dtype, down.dtype)
@@ -67,9 +67,22 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                                                        BLOCK_I=BLOCK_I, **shape)
     _down[(n * top_k, triton.cdiv(width, BLOCK_H))](hidden, experts, weights.contiguous(), down, partial, n,
                                                     BLOCK_H=BLOCK_H, **shape)
-    _combine[(n, triton.cdiv(width, COMBINE_BLOCK))](partial, out, WIDTH=width, TOP_K=top_k, BLOCK=COMBINE_BLOCK,
-                                                     ROUND=INTERPRETED and x.dtype == torch.bfloat16, GDC=dependent,
-                                                     launch_pdl=dependent)
+    return combine(partial, out, top_k, shared)
+
+
+def combine(partial: torch.Tensor, out: torch.Tensor, top_k: int,
+            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """out [N, H] = each token's k float32 partial rows [N * k, H] summed in slot order, rounded once to out's
+    dtype (the expert kernels' last step, here and in quant_moe.py). shared: (a shared expert's output [N, H],
+    its gate logits [N, 1] at any row stride): then plus sigmoid(logit) * output, each op rounded to out's
+    dtype as torch rounds it (Qwen3.5's SharedExpertMoe), in the same kernel."""
+    n, width = out.shape
+    dependent = pdl.dependent(out.device)  # a programmatic dependent launch (pdl.py)
+    expert, logits = (out, out) if shared is None else (shared[0].contiguous(), shared[1])
+    _combine[(n, triton.cdiv(width, COMBINE_BLOCK))](partial, out, expert, logits, logits.stride(0), WIDTH=width,
+                                                     TOP_K=top_k, BLOCK=COMBINE_BLOCK, SHARED=shared is not None,
+                                                     ROUND=INTERPRETED and out.dtype == torch.bfloat16,
+                                                     GDC=dependent, launch_pdl=dependent)
     return out
 
 
@@ -162,10 +175,10 @@ if triton is not None:
                      mask=routed[:, None] & (cols < WIDTH)[None, :])
 
     @triton.jit
-    def _combine(partial, out, WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
-                 GDC: tl.constexpr):
+    def _combine(partial, out, shared, logits, logit_stride, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
+                 BLOCK: tl.constexpr, SHARED: tl.constexpr, ROUND: tl.constexpr, GDC: tl.constexpr):
         """Each token's k float32 partial rows summed in slot order, rounded once to out's dtype (to nearest in the
-        interpreter too: ROUND, quant_gemv._to_nearest)."""
+        interpreter too: ROUND, quant_gemv._to_nearest); SHARED: plus sigmoid(logit) * shared (combine)."""
         if GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # a few loads per program: nothing long to wait for
@@ -175,4 +188,11 @@ if triton is not None:
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for slot in tl.static_range(TOP_K):  # slot order: a token's sum never depends on the other tokens
             total += tl.load(partial + (token * TOP_K + slot) * WIDTH + cols, mask=inside, other=0.0)
+        if SHARED:
+            dtype = out.dtype.element_ty
+            routed = _to_nearest(total, ROUND).to(dtype).to(tl.float32)
+            logit = tl.load(logits + token * logit_stride).to(tl.float32)
+            scale = _to_nearest(1.0 / (1.0 + tl.exp(-logit)), ROUND).to(dtype).to(tl.float32)
+            expert = tl.load(shared + token * WIDTH + cols, mask=inside, other=0.0).to(tl.float32)
+            total = routed + _to_nearest(scale * expert, ROUND).to(dtype).to(tl.float32)
         tl.store(out + token * WIDTH + cols, _to_nearest(total, ROUND).to(out.dtype.element_ty), mask=inside)

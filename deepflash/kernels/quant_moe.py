@@ -45,15 +45,15 @@ import torch.nn.functional as F
 
 from ..quant.gguf_blocks import FORMATS, dequantize
 from . import pdl, quant_gemv
+from .moe import combine
 from .triton_support import INTERPRETED, tl, triton
 
 MAX_TOKENS = 16  # a verify step's block (the kernels' tile of rows)
 DTYPES = (torch.bfloat16, torch.float32)
-COMBINE_BLOCK = 1024  # output columns per _combine program
 INTERPRETED_BLOCK_N = 128  # weight rows a program in the interpreter (it runs a program at a time: fewer, faster)
 
 if triton is not None:
-    from .moe import _combine, _group
+    from .moe import _group
     from .quant_gemv import _project, _to_nearest
 
 
@@ -79,11 +79,13 @@ def _format(name: str, ggml_type: int, dtype: torch.dtype) -> dict:
 
 
 def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
-                   up: torch.Tensor, down: torch.Tensor, formats: tuple[int, int, int]) -> torch.Tensor:
+                   up: torch.Tensor, down: torch.Tensor, formats: tuple[int, int, int],
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum over each token's k experts e of weight * (silu(x @ Wg_e.T) * (x @ Wu_e.T)) @ Wd_e.T, for x [N, H]
     (N <= 16, bf16 or float32), experts / weights [N, k] (the router's: int64 ids, weights in x's dtype), gate,
     up uint8 [E, I, row_bytes(H)], down uint8 [E, H, row_bytes(I)] in the ggml types `formats` (gate, up, down).
-    Returns [N, H] in x's dtype. The ids are not checked against E (that would sync with the host)."""
+    Returns [N, H] in x's dtype. The ids are not checked against E (that would sync with the host). shared: a
+    shared expert's output and gate logits to add (moe.combine)."""
     assert fits(x), (x.shape, x.dtype)
     n, width = x.shape
     top_k = experts.shape[1]
@@ -96,6 +98,7 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     assert experts.shape == weights.shape == (n, top_k), (experts.shape, weights.shape, n)
     out = torch.empty_like(x)
     if n == 0 or top_k == 0:
+        assert shared is None, "a shared expert's output is added by the experts' kernels"
         return out.zero_()
     gate, up, down = gate.contiguous(), up.contiguous(), down.contiguous()
     hidden = torch.empty((n * top_k, inner), dtype=x.dtype, device=x.device)
@@ -120,9 +123,7 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
         **_format("D", kinds[2], x.dtype), BLOCK_N=block_n, WEIGHT_FIRST=weight_first and not INTERPRETED,
         num_warps=warps, num_stages=stages, **common)
 
-    _combine[(n, triton.cdiv(width, COMBINE_BLOCK))](partial, out, WIDTH=width, TOP_K=top_k, BLOCK=COMBINE_BLOCK,
-                                                     ROUND=rounded, GDC=dependent, launch_pdl=dependent)
-    return out
+    return combine(partial, out, top_k, shared)
 
 
 def reference(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

@@ -16,7 +16,7 @@ from torch import nn
 from ..kernels.config import KernelConfig
 from .config import ModelConfig
 from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form, state_after_prefix
-from .layers import linear_rows
+from .layers import fuse_linears, linear_rows, read_by_torch_gemm
 
 # fla's fused recurrent kernel (token by token in one launch) takes runs of at most this many tokens
 # (decode, verify blocks), its chunked kernel longer ones (prefill). The torch path loops token by token
@@ -94,14 +94,6 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def l2_normalize_rows(x: torch.Tensor) -> torch.Tensor:
-    """l2_normalize by Triton's row norm (kernels/layer_ops.py): each row summed in one program, so a verify
-    step's tokens are normalised bit for bit as decode steps' are, where torch's sum is not."""
-    from ..kernels import layer_ops  # imports Triton: only where it is used
-
-    return layer_ops.row_norm(x, layer_ops.L2, L2_EPS)
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, shape: DeltaNetShape, slot: int):
         super().__init__()
@@ -116,19 +108,88 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(shape.value_heads))
         self.norm = GatedRMSNorm(shape.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(shape.value_width, hidden, bias=False)
+        self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
         self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
+
+    def fuse_projections(self, transposed=read_by_torch_gemm) -> None:
+        """The four input projections as one GEMM (layers.fuse_linears; done when the model is built): a decode
+        step's DeltaNet layer is bound by its kernel launches (kernels/delta_inputs.py)."""
+        self.in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a,
+                                    transposed=transposed)
 
     def forward(self, x: torch.Tensor, cache, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H]; live [B, T] is False on left padding, whose zero inputs leave the state at zero."""
-        b, t, _ = x.shape
-        s = self.shape
         if live is not None:
             x = torch.where(live[..., None], x, 0)  # where, not a product: padding rows may hold NaN
+        if self.in_proj is None:
+            inputs = tuple(self._project(p, x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                         self.in_proj_a))
+        else:
+            inputs = self.split(linear_rows(x, *self.in_proj, self.kernels))
+        return self.mix(inputs, cache)
+
+    def split(self, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(qkv, z, b, a): slices of the fused input projection's output (fuse_projections)."""
+        s = self.shape
+        return projected.split([s.conv_channels, s.value_width, s.value_heads, s.value_heads], dim=-1)
+
+    def mix(self, inputs: tuple[torch.Tensor, ...], cache) -> torch.Tensor:
+        """The layer's output from its input projections (qkv, z, b, a), each [B, T, width]."""
+        qkv, z, beta, a = inputs
+        b, t, _ = qkv.shape
+        s = self.shape
+        if self._on_kernels(cache.state[self.slot], t):
+            out = self._kernel_step(qkv, beta, a, cache)
+        else:
+            out = self._torch_step(qkv, beta, a, cache).to(qkv.dtype)
+        out = self.norm(out, z.view(b, t, s.value_heads, s.value_dim))
+        return self._project(self.out_proj, out.reshape(b, t, -1))
+
+    def _project(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """proj(x), on kernels/gemv.py for a step's few rows when the kernels are on (layers.linear_rows)."""
+        return linear_rows(x, proj.weight, proj.bias, self.kernels)
+
+    def _on_kernels(self, start: torch.Tensor, tokens: int) -> bool:
+        """Whether this run takes the Triton kernels: they are on and it fits them (a decode or verify step)."""
+        if self.kernels is None:
+            return False
+        from ..kernels import delta_rule  # imports Triton: only where it is used
+
+        return delta_rule.fits(start, tokens)
+
+    def _kernel_step(self, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, cache) -> torch.Tensor:
+        """A decode or verify step on the Triton kernels: the conv, norms and gates in one kernel
+        (kernels/delta_inputs.py), which updates the conv state in place, then the delta rule
+        (kernels/delta_rule.py), which updates the recurrent state in place; [B, T, Hv, Dv] in qkv's dtype.
+        Each token is computed as a decode step computes it, and while the cache captures, the rollback
+        replays the kept tokens with the same kernel (hybrid_cache.py)."""
+        from ..kernels import delta_rule  # imports Triton: only where it is used
+        from ..kernels.delta_inputs import delta_inputs
+
+        s, slot = self.shape, self.slot
+        conv, state = cache.conv[slot], cache.state[slot]
+        batch, tokens = qkv.shape[:2]
+        window = None
+        if cache.capturing:
+            window = torch.empty((batch, s.conv_channels, conv.shape[-1] + tokens), dtype=conv.dtype,
+                                 device=conv.device)
+        q, k, v, g, beta = delta_inputs(qkv, beta, a, conv, self.conv1d.weight, cache.fresh, self.A_log,
+                                        self.dt_bias, (s.key_heads, s.value_heads), (s.key_dim, s.value_dim), window)
+        out, _ = delta_rule.recurrent(q, k, v, g, beta, state, out_dtype=qkv.dtype, final=state)
+        if window is not None:  # the replay of the kept tokens: the same kernel on these inputs
+            cache.record(slot, window, functools.partial(delta_rule.state_after, k, v, g, beta))
+        return out.transpose(1, 2)
+
+    def _torch_step(self, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, cache) -> torch.Tensor:
+        """A run on torch's forms (fla's kernels where installed and the cache does not capture):
+        [B, T, Hv, Dv] in the state's dtype; the cache takes the new states."""
+        b, t, _ = qkv.shape
+        s = self.shape
         conv = cache.conv[self.slot]
         if t == 1:  # a sequence's first token starts from an empty conv (the cache resets longer runs)
             conv = conv.masked_fill(cache.fresh, 0)
         # the conv window: the cached last K-1 inputs, then this run's inputs
-        window = torch.cat([conv, self._project(self.in_proj_qkv, x).transpose(1, 2)], dim=-1)
+        window = torch.cat([conv, qkv.transpose(1, 2)], dim=-1)
         mixed = F.silu(depthwise_conv(window, self.conv1d.weight)).transpose(1, 2)
         q, k, v = mixed.split([s.key_width, s.key_width, s.value_width], dim=-1)
         repeat = s.value_heads // s.key_heads  # each q/k head serves `repeat` consecutive value heads
@@ -136,51 +197,26 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(b, t, s.key_heads, s.key_dim).repeat_interleave(repeat, dim=2)
         v = v.reshape(b, t, s.value_heads, s.value_dim)
         compute = cache.state[self.slot].dtype
-        beta = self._project(self.in_proj_b, x).sigmoid()
-        a = self._project(self.in_proj_a, x)
+        beta = beta.sigmoid()
         g = -self.A_log.to(compute).exp() * F.softplus(a.to(compute) + self.dt_bias.to(compute))
         if t == 1:  # and forgets the old state: decay exp(-inf) = 0 (the recurrent forms multiply by it)
             g = g.masked_fill(cache.fresh, float("-inf"))
-        out = self._delta_rule(q, k, v, g, beta, window, cache).to(x.dtype)
-        out = self.norm(out, self._project(self.in_proj_z, x).view(b, t, s.value_heads, s.value_dim))
-        return self._project(self.out_proj, out.reshape(b, t, -1))
-
-    def _project(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """proj(x), on kernels/gemv.py for a step's few rows when the kernels are on (layers.linear_rows)."""
-        return linear_rows(x, proj.weight, proj.bias, self.kernels)
+        return self._delta_rule(q, k, v, g, beta, window, cache)
 
     def _delta_rule(self, q, k, v, g, beta, window, cache) -> torch.Tensor:
-        """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache, and while
-        the cache captures, how to get the state after a prefix of this run (hybrid_cache.py).
-        With the kernels on, decode and verify steps take kernels/delta_rule.py, so that a verify computes
-        each token as decode does, and a rollback replays the kept tokens with the same kernel. Otherwise a
-        run the cache captures takes the torch forms, whose deltas give the prefix states in closed form
-        (fla's kernels return none)."""
+        """[B, T, Hv, D] in, [B, T, Hv, Dv] out; stores the new conv window and state in the cache. fla's
+        kernels where they serve, except while the cache captures: then the torch forms, whose deltas give the
+        state after any prefix of the run in closed form (fla's kernels return none)."""
         start, tokens = cache.state[self.slot], q.shape[1]
-        kernel = self._step_kernel(start, tokens)
-        if kernel is None and fla_available(q.device) and not cache.capturing:
+        if fla_available(q.device) and not cache.capturing:
             q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
             out, state = fla_form(q, k, v, g, beta, start, recurrent=tokens <= FLA_RECURRENT_TOKENS)
             cache.update(self.slot, window, state)
             return out
         q, k, v, g, beta = (x.transpose(1, 2).to(start.dtype) for x in (q, k, v, g, beta))
-        # on the kernels, a step's q/k rows are normalised as decode steps' are
-        normalize = l2_normalize_rows if kernel is not None else l2_normalize
-        q = normalize(q) / q.shape[-1] ** 0.5
-        k = normalize(k)
-        if kernel is not None:
-            out, state = kernel.recurrent(q, k, v, g, beta, start)
-            prefix_state = functools.partial(kernel.state_after, k, v, g, beta)  # the same kernel, replayed
-        else:
-            out, state, deltas = (recurrent_form if tokens == 1 else chunked_form)(q, k, v, g, beta, start)
-            prefix_state = functools.partial(state_after_prefix, k, g, deltas)  # in closed form
+        q = l2_normalize(q) / q.shape[-1] ** 0.5
+        k = l2_normalize(k)
+        out, state, deltas = (recurrent_form if tokens == 1 else chunked_form)(q, k, v, g, beta, start)
+        prefix_state = functools.partial(state_after_prefix, k, g, deltas)  # in closed form
         cache.update(self.slot, window, state, prefix_state if cache.capturing else None)
         return out.transpose(1, 2)
-
-    def _step_kernel(self, start: torch.Tensor, tokens: int):
-        """kernels/delta_rule.py where the kernels are on and this run fits it, else None."""
-        if self.kernels is None:
-            return None
-        from ..kernels import delta_rule  # imports Triton: only where it is used
-
-        return delta_rule if delta_rule.fits(start, tokens) else None

@@ -122,7 +122,12 @@ class HybridCache:
         self.conv[slot].copy_(window[..., window.shape[-1] - self.conv[slot].shape[-1] :])
         self.state[slot].copy_(state)
         if prefix_state is not None:
-            self._last.windows[slot], self._last.prefix_states[slot] = window, prefix_state
+            self.record(slot, window, prefix_state)
+
+    def record(self, slot: int, window: torch.Tensor, prefix_state) -> None:
+        """What a capture rollback needs of a DeltaNet layer's run, where the layer updated its states in place
+        itself (the Triton kernels): its conv window and prefix_state(start, n) as `update` takes them."""
+        self._last.windows[slot], self._last.prefix_states[slot] = window, prefix_state
 
     def keep(self, kept: int | torch.Tensor) -> None:
         """Of the last forward's tokens keep the first `kept` (see the module doc)."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.config import SHIPPED, KernelConfig, ProjectionTiling
+from ..quant.experts import add_shared
 from ..quant.weight import QuantizedWeight
 from .config import RopeConfig
 from .kv_cache import hidden_keys
@@ -30,6 +31,8 @@ class RMSNorm(nn.Module):
     """Llama/Qwen3 RMSNorm through torch's fused op: one kernel instead of the eight of the written-out
     form (which casts, squares, averages, adds, rsqrts, multiplies, casts back and scales). Accumulates
     in float32 like transformers; in bf16 it rounds once where transformers rounds twice."""
+
+    offset = False  # the weight scales as it is (OffsetRMSNorm's scales by 1 + weight): fused_norm reads it
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -70,7 +73,7 @@ def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> tuple[torch.Tensor, 
     from ..kernels.layer_ops import add_rms_norm  # imports Triton: only where it is used
 
     residual, delta, total = _parts(x)
-    return add_rms_norm(residual, delta, norm.weight, norm.eps, total)
+    return add_rms_norm(residual, delta, norm.weight, norm.eps, total, norm.offset)
 
 
 def _parts(x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -92,7 +95,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor, 
     if not gemv.fits(residual, weight, tiling):
         residual, hidden = fused_norm(norm, x)
         return residual, F.linear(hidden, weight, bias)
-    return gemv.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total, tiling)
+    return gemv.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total, tiling, norm.offset)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig | None
@@ -248,7 +251,9 @@ def fuse_linears(*linears: nn.Linear, transposed: Callable[[torch.Tensor], bool]
     quantized ones join their blocks (QuantizedWeight.cat)."""
     if isinstance(linears[0].weight, QuantizedWeight):
         return _fuse_quantized(linears)
-    weight = gemm_layout(torch.cat([m.weight.detach() for m in linears]), transposed)
+    weight = _joined_rows([m.weight.detach() for m in linears])
+    if weight is None or transposed(weight):
+        weight = gemm_layout(torch.cat([m.weight.detach() for m in linears]), transposed)
     bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
     row = 0
     for m in linears:
@@ -258,6 +263,20 @@ def fuse_linears(*linears: nn.Linear, transposed: Callable[[torch.Tensor], bool]
             m.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
         row += rows
     return weight, bias
+
+
+def _joined_rows(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The weights as one tensor without a copy where they are already consecutive rows of one (an enclosing
+    module fused them first: SharedExpertMoe's members include its shared expert's gate and up), else None. Where
+    that tensor is to be stored transposed, fuse_linears copies it instead."""
+    first = weights[0]
+    at = first.data_ptr()
+    for w in weights:
+        if (not w.is_contiguous() or w.dtype != first.dtype or w.shape[1:] != first.shape[1:] or w.data_ptr() != at
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        at += w.numel() * w.element_size()
+    return first.as_strided((sum(w.shape[0] for w in weights), *first.shape[1:]), first.stride())
 
 
 def _fuse_quantized(linears) -> tuple[QuantizedWeight, torch.Tensor | None]:
@@ -328,9 +347,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.activated_down(linear_rows(x, *self.gate_up, self.kernels))
+
+    def activated_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) of the gate/up projection's output [..., 2I] (gate first): on the Triton
+        kernels where they are on (down), else torch's ops."""
         if self.kernels is not None:
-            return self.down(linear_rows(x, *self.gate_up, self.kernels), self.kernels.projections)
-        gate, up = linear_rows(x, *self.gate_up, None).chunk(2, dim=-1)
+            return self.down(gate_up, self.kernels.projections)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def down(self, gate_up: torch.Tensor, tiling: ProjectionTiling = SHIPPED.projections) -> torch.Tensor:
@@ -365,18 +389,20 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; experts/weights [N, k]: each token's sum of its experts' outputs times their weights.
-        Decode and verify steps on the Triton kernels (kernels/moe.py), else F.grouped_mm where it
-        serves without a sync, else the dense form."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [N, H]; experts/weights [N, k]: each token's sum of its experts' outputs times their weights, plus
+        sigmoid(logits) * output of `shared` (a shared expert's output and gate logits) where given.
+        Decode and verify steps on the Triton kernels (kernels/moe.py, which add the shared expert in their
+        last kernel), else F.grouped_mm where it serves without a sync, else the dense form."""
         if self.kernels is not None:
             from ..kernels import moe  # imports Triton: only where it is used
 
             if moe.fits(x, self.gate_up_proj, self.down_proj):
-                return moe.routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+                return moe.routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj, shared)
         if self._grouped_serves(x):
-            return self._grouped(x, experts, weights)
-        return self._dense(x, experts, weights)
+            return add_shared(self._grouped(x, experts, weights), shared)
+        return add_shared(self._dense(x, experts, weights), shared)
 
     def _grouped_serves(self, x: torch.Tensor) -> bool:
         """Whether F.grouped_mm runs these experts without a host sync (torch 2.13): bfloat16 on compute
@@ -421,11 +447,15 @@ class Router(nn.Module):
         self.top_k = top_k
         self.normalize = normalize
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.choose(F.linear(x, self.weight), x.dtype)
+    def choose(self, logits: torch.Tensor, dtype: torch.dtype, kernels: KernelConfig | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts, weights in `dtype`) of router logits computed by the caller: with the kernels on, one
+        kernel (kernels/router.py), else torch's ops."""
+        if kernels is not None:
+            from ..kernels import router  # imports Triton: only where it is used
 
-    def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(experts, weights in `dtype`) of router logits computed by the caller."""
+            if router.fits(logits):
+                return router.route(logits, self.top_k, self.normalize, dtype)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
@@ -440,12 +470,20 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.gate = Router(num_experts, hidden, top_k, normalize)
         self.experts = Experts(num_experts, hidden, intermediate)
+        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        experts, weights = self.gate(flat)
+        experts, weights = self._route(flat)
         return self.experts(flat, experts, weights).reshape(shape)
+
+    def _route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's (experts, weights) of rows [N, H]. With the kernels on, its logits on kernels/gemv.py
+        for a step's few rows (layers.linear_rows: cuBLAS may sum a row's logits apart for 1 and 16 rows, and a
+        near tie would then route a verified token unlike a decoded one), and the rest in one kernel."""
+        logits = linear_rows(flat, self.gate.weight, None, self.kernels)
+        return self.gate.choose(logits, flat.dtype, self.kernels)
 
 
 def fold_mask(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -18,13 +18,15 @@ from torch import nn
 
 from ..errors import UserError
 from ..kernels.config import KernelConfig
+from ..quant.weight import QuantizedWeight
 from .base import TargetModel
 from .config import ModelConfig
 from .gated_deltanet import DeltaNetShape, GatedDeltaNet
 from .hybrid_cache import ROLLBACK_MODES, HybridCache
 from .kv_budget import KVBudget
 from .kv_cache import KVCache
-from .layers import DECODE, MLP, Rotary, SparseMoe, apply_rotary, attention, linear_rows
+from .layers import (DECODE, MLP, Pending, Rotary, SparseMoe, apply_rotary, attention, fuse_linears, fused_norm,
+                     linear_rows, norm_linear, read_by_torch_gemm)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -42,6 +44,8 @@ def layer_types(cfg: ModelConfig) -> tuple[str, ...]:
 
 class OffsetRMSNorm(nn.Module):
     """RMSNorm scaled by (1 + weight), cast back after scaling (transformers' Qwen3.5 order)."""
+
+    offset = True  # read by layers.fused_norm
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -87,9 +91,19 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
         self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
+    def fuse_projections(self, transposed=read_by_torch_gemm) -> None:
+        """q, k and v as one GEMM (layers.fuse_linears); done when the model is built."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, transposed=transposed)
+
     def forward(self, x, step: Step) -> torch.Tensor:
+        if self.kernels is not None and self.qkv is not None:
+            from ..kernels.layer_ops import NORM_DTYPES  # imports Triton: only where it is used
+
+            if x.dtype in NORM_DTYPES:
+                return self._kernel_forward(x, step)
         b, t, _ = x.shape
         q, gate = self._project(self.q_proj, x).view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
@@ -101,6 +115,31 @@ class GatedAttention(nn.Module):
         kv.note_query(self.slot, q.transpose(1, 2))
         out = self._attend(q.transpose(1, 2), kv, step).transpose(1, 2).reshape(b, t, -1)
         return self._project(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)))
+
+    def _kernel_forward(self, x, step: Step) -> torch.Tensor:
+        """The Triton form: the fused q/k/v projection, then q/k norms, partial rope and the cache write in one
+        kernel (kernels/rope.py), and for decode and verify steps the output gate inside attention's last
+        kernel (kernels/attention.py)."""
+        return self.attend_projected(linear_rows(x, *self.qkv, self.kernels), step)
+
+    def attend_projected(self, qkv: torch.Tensor, step: Step) -> torch.Tensor:
+        """_kernel_forward from the fused q/k/v projection's output [B, T, (2 H + 2 Hkv) D]."""
+        from ..kernels.attention import decode_attention  # imports Triton: only where it is used
+        from ..kernels.rope import rope_and_write
+
+        b, t, _ = qkv.shape
+        kv, dim = step.cache.kv, self.head_dim
+        q = rope_and_write(qkv, step.cos, step.sin, step.positions, kv.k[self.slot], kv.v[self.slot], self.heads,
+                           self.kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                           self.kernels.rope_tokens, gated=True, offset=True)
+        kv.note_query(self.slot, q)
+        gate = qkv[..., : 2 * self.heads * dim].view(b, t, self.heads, 2 * dim)[..., dim:]
+        if step.mask is DECODE:
+            out = decode_attention(q, kv.k[self.slot], kv.v[self.slot], step.positions, step.kv_len, gate)
+            return self._project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
+        keys, values = kv.read(self.slot, step.kv_len)
+        out = attention(q, keys, values, step.mask).transpose(1, 2)
+        return self._project(self.o_proj, (out * torch.sigmoid(gate)).reshape(b, t, -1))
 
     def _attend(self, q: torch.Tensor, kv: KVCache, step: Step) -> torch.Tensor:
         """Attention of q [B, H, T, D] over this layer's cache. Decode and verify steps on the kernels
@@ -126,19 +165,36 @@ class SharedExpertMoe(SparseMoe):
                          normalize=True)
         self.shared_expert = MLP(cfg.hidden_size, int(cfg.raw["shared_expert_intermediate_size"]))
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
+        # set by fuse_projections: the projections of the block's input as one weight, or None
+        self.inputs: tuple[torch.Tensor, None] | None = None
+
+    def fuse_projections(self, transposed=read_by_torch_gemm) -> None:
+        """The shared expert's gate and up, the router and the shared expert's gate as one GEMM (layers.
+        fuse_linears; its shared expert's own fusion then keeps a view of the gate/up rows): a MoE decode step
+        is bound by its launches. Only where all four are plain weights of one dtype (a GGUF file's router and
+        experts differ in kind), and never stored transposed, so that the gate/up rows stay a view."""
+        mlp = self.shared_expert
+        members = (mlp.gate_proj, mlp.up_proj, self.gate, self.shared_expert_gate)
+        weights = [m.weight for m in members]
+        if any(isinstance(w, QuantizedWeight) for w in weights) or len({w.dtype for w in weights}) > 1:
+            self.inputs = None
+            return
+        self.inputs = fuse_linears(*members, transposed=lambda weight: False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts add the shared expert's part (Experts.forward: on the kernels, in their last one)."""
         flat = x.reshape(-1, x.shape[-1])
-        experts, weights = self._route(flat)
-        routed = self.experts(flat, experts, weights).reshape(x.shape)
-        shared_gate = linear_rows(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias, self.kernels)
-        return routed + torch.sigmoid(shared_gate) * self.shared_expert(x)
-
-    def _route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's (experts, weights) of rows [N, H], its logits on kernels/gemv.py for a step's few rows
-        when the kernels are on (layers.linear_rows). Softmax and top-k take each row alone."""
-        return self.gate.choose(linear_rows(flat, self.gate.weight, None, self.kernels), flat.dtype)
+        if self.inputs is None:
+            experts, weights = self._route(flat)
+            logits = linear_rows(flat, self.shared_expert_gate.weight, self.shared_expert_gate.bias, self.kernels)
+            shared = self.shared_expert(flat)
+        else:
+            inner, count = self.shared_expert.down_proj.weight.shape[1], self.gate.weight.shape[0]
+            gate_up, router_logits, logits = linear_rows(flat, *self.inputs, self.kernels).split(
+                [2 * inner, count, 1], dim=-1)
+            experts, weights = self.gate.choose(router_logits, flat.dtype, self.kernels)
+            shared = self.shared_expert.activated_down(gate_up)
+        return self.experts(flat, experts, weights, (shared, logits)).reshape(x.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -152,14 +208,46 @@ class DecoderLayer(nn.Module):
         self.mlp = SharedExpertMoe(cfg) if cfg.num_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            x = x + self.linear_attn(h, step.cache, step.live)
-        else:
-            x = x + self.self_attn(h, step)
+    def forward(self, x: torch.Tensor | Pending, step: Step) -> torch.Tensor | Pending:
+        if self.kernels is not None:
+            from ..kernels.layer_ops import NORM_DTYPES  # imports Triton: only where it is used
+
+            if self.input_layernorm.weight.dtype in NORM_DTYPES:
+                return self._fused_forward(x, step)
+        x = x + self._mix(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _fused_forward(self, x: torch.Tensor | Pending, step: Step) -> Pending:
+        """The Triton form: each residual add and norm runs inside the projection after it (layers.norm_linear: for a
+        step's few rows one kernel with the GEMV, kernels/gemv.py), or in a kernel of its own before a MoE block
+        (layers.fused_norm), and the layer hands its MLP output on unadded (layers.Pending) for the next layer's
+        input norm, or the final norm, to add. x is such a Pending output or the embeddings (layer 0)."""
+        tiling = self.kernels.projections
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        weights = mixer.in_proj if self.kind == "linear_attention" else mixer.qkv
+        if weights is None or step.live is not None:  # unfused, or padding to mask after the norm
+            x, h = fused_norm(self.input_layernorm, x)
+            mixed = self._mix(h, step)
+        else:  # the norm inside the mixer's input projection (layers.norm_linear)
+            x, projected = norm_linear(self.input_layernorm, x, *weights, tiling=tiling)
+            if self.kind == "linear_attention":
+                mixed = mixer.mix(mixer.split(projected), step.cache)
+            else:
+                mixed = mixer.attend_projected(projected, step)
+        if isinstance(self.mlp, MLP):
+            x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, mixed), *self.mlp.gate_up,
+                                     tiling=tiling)
+            return Pending(x, self.mlp.down(gate_up, tiling))
+        x, h = fused_norm(self.post_attention_layernorm, Pending(x, mixed))
+        return Pending(x, self.mlp(h))
+
+    def _mix(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """The token mixer's output: the DeltaNet's or attention's."""
+        if self.kind == "linear_attention":
+            return self.linear_attn(h, step.cache, step.live)
+        return self.self_attn(h, step)
 
 
 class Backbone(nn.Module):

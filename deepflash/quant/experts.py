@@ -66,15 +66,18 @@ class QuantizedExperts(nn.Module):
     def numel(self) -> int:
         return 3 * self.num_experts * self.inner * self.hidden
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; experts / weights [N, k]: each token's sum of its experts' outputs times their weights."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [N, H]; experts / weights [N, k]: each token's sum of its experts' outputs times their weights, plus
+        sigmoid(logits) * output of `shared` (a shared expert's output and gate logits) where given (layers.
+        Experts.forward)."""
         if x.is_cuda or self.kernels is not None:
             from ..kernels import quant_moe  # imports Triton: only where it is used
 
             if quant_moe.fits(x):
                 types = tuple(f.ggml_type for f in self.formats)
-                return quant_moe.routed_experts(x, experts, weights, self.gate, self.up, self.down, types)
-        return self._sliced(x, experts, weights)
+                return quant_moe.routed_experts(x, experts, weights, self.gate, self.up, self.down, types, shared)
+        return add_shared(self._sliced(x, experts, weights), shared)
 
     def _sliced(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert over every token a slice of experts at a time, an unrouted pair weighted 0 (layers.
@@ -104,3 +107,9 @@ def dequantized(value: torch.Tensor | QuantizedWeight | GateUp | ExpertBlocks, d
     if isinstance(value, GateUp):
         return torch.cat([dequantized(value.gate, dtype), dequantized(value.up, dtype)], dim=-2)
     return dequantize(value.blocks, value.fmt, dtype)
+
+
+def add_shared(out: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """out + sigmoid(logits) * output of a shared expert (output, gate logits): the routed experts' torch forms'
+    last step (layers.Experts, QuantizedExperts; their kernels add it in kernels/moe.py combine)."""
+    return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
