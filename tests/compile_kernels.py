@@ -144,11 +144,11 @@ def model_kernels():
 def hybrid_kernels():
     """The Qwen3.5 / Qwen3.6 kernels at Qwen3.6-35B-A3B's widths in bf16, 16 tokens (1-16: one binary each),
     launched as dependents (pdl.py) as on a Hopper GPU."""
-    from deepflash.kernels import delta_rule, pdl
+    from deepflash.kernels import delta_rule, int8_rows, pdl, quant_gemv
     from deepflash.kernels.attention import decode_attention
     from deepflash.kernels.delta_inputs import delta_inputs
     from deepflash.kernels.gemv import norm_linear
-    from deepflash.kernels.layer_ops import GATED_RMS, add_rms_norm, row_norm
+    from deepflash.kernels.layer_ops import GATED_RMS, add_rms_norm, row_norm, silu_mul
     from deepflash.kernels.moe import combine
     from deepflash.kernels.rope import rope_and_write
     from deepflash.kernels.router import route
@@ -172,6 +172,15 @@ def hybrid_kernels():
     x = torch.zeros(t, 2048, dtype=bf16)
     add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, offset=True)
     norm_linear(x, x, torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(proj.shape[-1], 2048, dtype=bf16), offset=True)
+    # a Q4_K_M target's projections: the norm and SiLU * up writing their rows' int8 form, Q4_K and Q6_K parts
+    # writing their columns of one output
+    rows8 = int8_rows.row_buffers(2048, "cpu")
+    add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, offset=True, rows8=rows8)
+    silu_mul(torch.zeros(t, 4096, dtype=bf16), rows8)
+    out = torch.zeros(t, 1024, dtype=bf16)
+    for kind, first in ((12, 0), (14, 512)):  # a Q4_K part, then a Q6_K part
+        blocks = torch.zeros(512, quant_gemv.row_bytes(kind, 2048), dtype=torch.uint8)
+        quant_gemv.linear(x, blocks, kind, 2048, rows8=rows8, out=out[:, first : first + 512])
     experts, _ = route(torch.zeros(t, 256, dtype=bf16), 8, True, bf16)
     combine(torch.zeros(t * 8, 2048, dtype=f32), x, 8, (x, torch.zeros(t, 257, dtype=bf16)[:, 256:]))
     # gated attention: 16 query heads of 256 with their gates, 2 kv heads, a rotary width of 64
@@ -188,8 +197,8 @@ def hybrid_kernels():
 
 if __name__ == "__main__":
     JITFunction.run = compile_instead
-    from deepflash.kernels import gemv
+    from deepflash.kernels import gemv, quant_gemv
 
-    gemv._sms = lambda device: 132  # an H200's SMs: the projections' reductions split as there
+    gemv._sms = quant_gemv._sms = lambda device: 132  # an H200's SMs: the projections' reductions split as there
     {"rings": ring_kernels, "model": model_kernels}[sys.argv[1]]()
     print("\n".join(compiled))

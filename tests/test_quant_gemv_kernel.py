@@ -205,6 +205,47 @@ def test_rows_quantize_as_the_reference_does():
     assert torch.equal(sums[:3], want_q.reshape(3, 48, 16).sum(-1).int())
 
 
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_norm_and_silu_kernels_quantize_rows_as_quantized_rows_does(offset):
+    """layer_ops.add_rms_norm and silu_mul with rows8 write the int8 form of the rows they make, bit for bit what
+    int8_rows.quantized_rows gives on those rows (a launch saved before each integer-path projection); widths
+    that end inside silu_mul's 1024-column programs and in a norm row's padding."""
+    from deepflash.kernels import int8_rows, layer_ops
+
+    for width in (512, 1280):
+        x, y = (rows(3, width, torch.bfloat16, seed).to(DEVICE) for seed in (2, 3))
+        gain = (0.1 * rows(1, width, torch.bfloat16, 4)[0]).to(DEVICE)
+        made = [int8_rows.row_buffers(width, DEVICE) for _ in range(2)]
+        _, normed = layer_ops.add_rms_norm(x, y, gain, 1e-6, offset=offset, rows8=made[0])
+        product = layer_ops.silu_mul(torch.cat([x, y], dim=-1), rows8=made[1])
+        for out, rows8 in zip((normed, product), made):
+            want = int8_rows.quantized_rows(out)
+            for got, expected in zip(rows8, want):
+                assert torch.equal(got[:3], expected[:3]), width
+
+
+def test_a_projection_of_several_formats_writes_each_parts_columns():
+    """QuantizedWeight.project on the kernel: a fused weight of Q4_K and Q6_K parts (as a Q4_K_M file's q/k and v)
+    quantizes the rows once and writes each part's columns of one output, bit for bit each part's own product,
+    and the same with the rows' int8 form handed in (int8_buffers)."""
+    from deepflash.kernels import int8_rows
+    from deepflash.quant.gguf_blocks import block_format
+    from deepflash.quant.weight import QuantizedWeight
+
+    parts = [(block_format(T.Q4_K), random_blocks(T.Q4_K, 48, 512, 5)),
+             (block_format(T.Q6_K), random_blocks(T.Q6_K, 32, 512, 6))]
+    weight = QuantizedWeight([(fmt, blocks.to(DEVICE)) for fmt, blocks in parts], 512, torch.bfloat16)
+    x = rows(3, 512, torch.bfloat16).to(DEVICE)
+    got = weight.project(x, None, kernels=True)
+    want = torch.cat([quant_gemv.linear(x, blocks.to(DEVICE), int(fmt.ggml_type), 512) for fmt, blocks in parts], -1)
+    assert torch.equal(got, want)
+    handed = weight.int8_buffers(x)
+    assert handed is not None and weight.int8_buffers(x.float()) is None  # float32 rows stay exact
+    for buffer, made in zip(handed, int8_rows.quantized_rows(x)):
+        buffer.copy_(made)
+    assert torch.equal(weight.project(x, None, kernels=True, rows8=handed), got)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_integer_products_on_the_gpu_tiling(qtype):
     """The integer path's GPU tiling (64 weight rows a program) in the interpreter, whole and split in 2: 200

@@ -76,3 +76,31 @@ def test_row_norms_match_the_torch_forms():
              (layer_ops.row_norm(x, layer_ops.L2, 1e-6), l2_normalize(x))]
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_quantized_moe_target_verifies_each_token_as_decode_steps():
+    """A Qwen3.5-MoE target in bf16 with Q4_K_M blocks (bench quant's mix, widths of whole superblocks) on the
+    kernels: the norms write their rows' int8 form for the integer-path projections, the shared expert's two
+    input projections share one, the fused projections write each format's columns; a 16-token verify still
+    leaves each token's final hidden state as one-token steps do, bit for bit."""
+    from deepflash.bench.quant import format_of
+    from deepflash.quant.random_weights import quantize_random_
+
+    wide = dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256, head_dim=64,
+                linear_key_head_dim=64, linear_value_head_dim=64)
+    model = hybrid_target("moe", dtype=torch.bfloat16, std=0.02, num_hidden_layers=2,
+                          layer_types=["linear_attention", "full_attention"], **wide)
+    model = quantize_random_(model, format_of("Q4_K_M", 2), seed=0).to(DEVICE).use_kernels("triton")
+    assert model.model.layers[0].mlp.int8_buffers(torch.zeros(1, 1, 256, dtype=torch.bfloat16, device=DEVICE))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, PROMPT + BLOCK), generator=torch.Generator().manual_seed(5))
+    ids = ids.to(DEVICE)
+    caches = [model.new_cache(1, 64) for _ in range(2)]
+    for cache in caches:
+        model(ids[:, :PROMPT], torch.arange(PROMPT, device=DEVICE), cache, PROMPT, logits="none")
+    positions = torch.arange(PROMPT, PROMPT + BLOCK, device=DEVICE)
+    block = model(ids[:, PROMPT:], positions, caches[0], SPAN, capture=(1,), logits="none")[1]
+    assert block.isfinite().all()
+    for i in range(BLOCK):
+        alone = model(ids[:, PROMPT + i : PROMPT + i + 1], positions[i : i + 1], caches[1], SPAN, capture=(1,),
+                      logits="none")[1]
+        assert torch.equal(alone, block[:, i : i + 1]), i

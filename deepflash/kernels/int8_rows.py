@@ -43,14 +43,22 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """x [rows <= 16, cols] (cols a multiple of 256) as int8 q [16, cols], float32 scales d [16, cols / 256]
     and int32 sums [16, cols / 16] of q; rows past x's are left unwritten (the products do not read them)."""
     rows, cols = x.shape
-    assert rows <= TILE and cols % CHUNK == 0, (rows, cols)
-    q = torch.empty(TILE, cols, dtype=torch.int8, device=x.device)
-    scales = torch.empty(TILE, cols // CHUNK, dtype=torch.float32, device=x.device)
-    sums = torch.empty(TILE, cols // SUM, dtype=torch.int32, device=x.device)
+    assert rows <= TILE, (rows, cols)
+    q, scales, sums = row_buffers(cols, x.device)
     dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
     _quantize[(rows, cols // CHUNK)](x.contiguous(), q, scales, sums, COLS=cols, GDC=dependent, num_warps=4,
                                      launch_pdl=dependent)
     return q, scales, sums
+
+
+def row_buffers(cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (q, scales, sums) for 16 rows of `cols` columns as quantized_rows returns them: where a kernel that
+    makes rows writes their int8 form beside them (layer_ops.add_rms_norm, layer_ops.silu_mul: store_quantized),
+    which saves quantized_rows' launch."""
+    assert cols % CHUNK == 0, cols
+    return (torch.empty(TILE, cols, dtype=torch.int8, device=device),
+            torch.empty(TILE, cols // CHUNK, dtype=torch.float32, device=device),
+            torch.empty(TILE, cols // SUM, dtype=torch.int32, device=device))
 
 
 if triton is not None:
@@ -66,8 +74,24 @@ if triton is not None:
     _Q6_11 = tl.constexpr(_Q6.replace("LOW", "4").replace("HIGH", "6"))
 
     @triton.jit
+    def store_quantized(v, q, scales, sums, r, chunk0, COLS: tl.constexpr):
+        """Row r's chunks chunk0.. (v [chunks, 16, 16] float32, the row's values as stored in its dtype; chunks
+        past COLS are dropped) into quantized_rows' buffers: q = x / d rounded half away from zero (ggml's
+        roundf), d = max |x| / 127, and the sums of q over each 16 columns."""
+        peak = tl.max(tl.max(tl.abs(v), axis=2), axis=1)  # [chunks]
+        scaled = v * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)[:, None, None]
+        units = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled)).to(tl.int32)
+        c = chunk0 + tl.arange(0, v.shape[0])
+        inside = c < COLS // 256
+        cols = c[:, None, None] * 256 + tl.arange(0, 16)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        tl.store(q + r * COLS + cols, units.to(tl.int8), mask=inside[:, None, None])
+        tl.store(sums + r * (COLS // 16) + c[:, None] * 16 + tl.arange(0, 16)[None, :], tl.sum(units, axis=2),
+                 mask=inside[:, None])
+        tl.store(scales + r * (COLS // 256) + c, peak / 127.0, mask=inside)
+
+    @triton.jit
     def _quantize(x, q, scales, sums, COLS: tl.constexpr, GDC: tl.constexpr):
-        """Row r's chunk c: q = x / d rounded half away from zero (ggml's roundf), d = max |x| / 127."""
+        """Row r's chunk c (store_quantized)."""
         if GDC:  # launched as a dependent (pdl.py): wait for the kernel before (the rows' producer) and its writes
             tl.extra.cuda.gdc_wait()
         r, c = tl.program_id(0), tl.program_id(1)
@@ -75,12 +99,7 @@ if triton is not None:
         v = tl.load(x + r * COLS + cols).to(tl.float32)
         if GDC:  # the projection may be placed now (it waits for this kernel's end before it reads)
             tl.extra.cuda.gdc_launch_dependents()
-        peak = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-        scaled = v * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)
-        units = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled)).to(tl.int32)
-        tl.store(q + r * COLS + cols, units.to(tl.int8))
-        tl.store(sums + r * (COLS // 16) + c * 16 + tl.arange(0, 16), tl.sum(units, axis=1))
-        tl.store(scales + r * (COLS // 256) + c, peak / 127.0)
+        store_quantized(tl.reshape(v, [1, 16, 16]), q, scales, sums, r, c, COLS)
 
     @triton.jit
     def _nibbles(b, HIGH: tl.constexpr, EMULATE: tl.constexpr):

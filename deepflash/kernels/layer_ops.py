@@ -21,20 +21,24 @@ OFFSET_RMS, L2, GATED_RMS = 0, 1, 2  # row_norm's modes
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 total: torch.Tensor | None = None, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 total: torch.Tensor | None = None, offset: bool = False,
+                 rows8: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) over the last dim; the sum is rounded to the input dtype before
     it is normalised, as the torch form does, and written to `total` when given (a feature tap's:
     layers.tap). y None: (x, rms_norm(x) * weight) by the same kernel (the first layer's input, the
-    embeddings). offset: scale by (1 + weight) instead (Qwen3.5's norms, whose weights are offsets)."""
+    embeddings). offset: scale by (1 + weight) instead (Qwen3.5's norms, whose weights are offsets).
+    rows8: int8_rows.row_buffers to write the normed rows' int8 form to, as int8_rows.quantized_rows would."""
     width = x.shape[-1]
     x = x.contiguous()
     normed = torch.empty_like(x)
     total = x if y is None else torch.empty_like(x) if total is None else total
     block = triton.next_power_of_2(width)
+    q, scales, sums = rows8 or (x, x, x)
     # one program holds a whole row (the norm's reduction); wide rows get more warps, as in Triton's
     # layer-norm tutorial: 4 up to 1024 values (SmolLM2's 576), 8 from 2048 (Qwen3-8B's 4096)
-    _add_rms_norm[(x.numel() // width,)](x, x if y is None else y.contiguous(), weight, total, normed, width, eps,
-                                         BLOCK=block, ADD=y is not None, OFFSET=offset,
+    _add_rms_norm[(x.numel() // width,)](x, x if y is None else y.contiguous(), weight, total, normed, q, scales,
+                                         sums, width, eps, BLOCK=block, ADD=y is not None, OFFSET=offset,
+                                         QUANTIZE=rows8 is not None, COLS=width if rows8 is not None else 0,
                                          num_warps=min(max(block // 256, 4), 8))
     return total, normed
 
@@ -71,22 +75,27 @@ def _head_rows(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
     return gate.contiguous().view(-1, heads, gate.shape[-1]), heads
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up projection output [..., 2I] (gate first) -> [..., I]."""
+def silu_mul(gate_up: torch.Tensor, rows8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection output [..., 2I] (gate first) -> [..., I]. rows8:
+    int8_rows.row_buffers to write the result's int8 form to, as int8_rows.quantized_rows would."""
     width = gate_up.shape[-1] // 2
     gate_up = gate_up.contiguous()
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
+    q, scales, sums = rows8 or (out, out, out)
     # a row split over programs of SILU_BLOCK values: one program per row ran Qwen3-8B's 12288 values on
     # one SM, 6.5 us per layer (H200 profile)
-    _silu_mul[(gate_up.numel() // (2 * width), triton.cdiv(width, SILU_BLOCK))](gate_up, out, width, BLOCK=SILU_BLOCK)
+    _silu_mul[(gate_up.numel() // (2 * width), triton.cdiv(width, SILU_BLOCK))](
+        gate_up, out, q, scales, sums, width, BLOCK=SILU_BLOCK, QUANTIZE=rows8 is not None,
+        COLS=width if rows8 is not None else 0)
     return out
 
 
 if triton is not None:
+    from .int8_rows import store_quantized
 
     @triton.jit
-    def _add_rms_norm(x, y, weight, total, normed, width, eps, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                      OFFSET: tl.constexpr):
+    def _add_rms_norm(x, y, weight, total, normed, q, scales, sums, width, eps, BLOCK: tl.constexpr,
+                      ADD: tl.constexpr, OFFSET: tl.constexpr, QUANTIZE: tl.constexpr, COLS: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
@@ -100,7 +109,11 @@ if triton is not None:
         gain = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
         if OFFSET:
             gain = 1.0 + gain
-        tl.store(normed + offsets, (s * inv_rms * gain).to(normed.dtype.element_ty), mask=inside)
+        result = (s * inv_rms * gain).to(normed.dtype.element_ty)
+        tl.store(normed + offsets, result, mask=inside)
+        if QUANTIZE:  # the row's int8 form as quantized_rows computes it from the stored values (COLS: width)
+            store_quantized(tl.reshape(result.to(tl.float32), [BLOCK // 256, 16, 16]), q, scales, sums, row, 0,
+                            COLS)
 
     @triton.jit
     def _row_norm(x, weight, gate, out, width, heads, gate_stride, eps, BLOCK: tl.constexpr, MODE: tl.constexpr):
@@ -125,11 +138,15 @@ if triton is not None:
         tl.store(out + offsets, s.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _silu_mul(gate_up, out, width, BLOCK: tl.constexpr):
+    def _silu_mul(gate_up, out, q, scales, sums, width, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
+                  COLS: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < width
         gate = tl.load(gate_up + row * 2 * width + cols, mask=inside, other=0.0).to(tl.float32)
         up = tl.load(gate_up + row * 2 * width + width + cols, mask=inside, other=0.0).to(tl.float32)
-        result = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out + row * width + cols, result.to(out.dtype.element_ty), mask=inside)
+        result = (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty)
+        tl.store(out + row * width + cols, result, mask=inside)
+        if QUANTIZE:  # the row's int8 form as quantized_rows computes it from the stored values (COLS: width)
+            store_quantized(tl.reshape(result.to(tl.float32), [BLOCK // 256, 16, 16]), q, scales, sums, row,
+                            tl.program_id(1) * (BLOCK // 256), COLS)

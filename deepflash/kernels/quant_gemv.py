@@ -152,14 +152,24 @@ def row_bytes(ggml_type: int, cols: int) -> int:
     return cols // qk * nbytes
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, cols: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, cols: int, bias: torch.Tensor | None = None, *,
+           rows8: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantize(blocks).T + bias for x [..., cols] (bf16 or float32, at most 16 rows) and blocks uint8
     [N, row_bytes] (row n's blocks contiguous, in ggml's order); [..., N] in x's dtype. The dequantized
     weights are rounded to x's dtype and the products summed in float32, but for `integer` formats and dtypes
-    (bf16 rows of Q4_K and Q6_K), where the rows are quantized to int8 instead (int8_rows.py)."""
+    (bf16 rows of Q4_K and Q6_K), where the rows are quantized to int8 instead (int8_rows.py): `rows8`, where
+    given, holds them (int8_rows.quantized_rows of x). out: where the result goes, [..., N] at any row stride
+    (a projection's columns of a wider output); a new tensor when None."""
     assert x.dtype in DTYPES, x.dtype
-    return _launch(x, blocks, ggml_type, cols, bias, tiling(ggml_type, x.dtype), INTERPRETED)
+    return _launch(x, blocks, ggml_type, cols, bias, tiling(ggml_type, x.dtype), INTERPRETED, rows8=rows8, out=out)
+
+
+def quantized_rows_for(x: torch.Tensor, ggml_types: list[int]) -> tuple[torch.Tensor, ...] | None:
+    """x's rows quantized to int8 (int8_rows.quantized_rows) where a weight of one of `ggml_types` takes them
+    (`integer`), once for all of them; else None."""
+    if not any(integer(t, x.dtype) for t in ggml_types):
+        return None
+    return int8_rows.quantized_rows(x.reshape(-1, x.shape[-1]))
 
 
 @functools.cache
@@ -188,7 +198,8 @@ def plan(ggml_type: int, n: int, cols: int, tile: Tiling, sms: int, slices: int 
     return nb, steps, triton.cdiv(steps, per), per
 
 
-def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices: int | None = None) -> torch.Tensor:
+def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices: int | None = None,
+            rows8: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     assert ggml_type in BLOCKS, f"ggml type {ggml_type} is not one of {SUPPORTED}"
     assert x.shape[-1] == cols and x.dtype in DTYPES, (x.shape, cols, x.dtype)
     rows = x.numel() // cols
@@ -197,7 +208,9 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == row_bytes(ggml_type, cols), (
         blocks.dtype, blocks.shape, ggml_type, cols)
     assert bias is None or bias.shape == (n,), (None if bias is None else bias.shape, n)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    assert out.shape == (*x.shape[:-1], n) and out.dtype == x.dtype and out.stride(-1) == 1, (out.shape, out.stride())
     if rows == 0 or n == 0:
         return out
     blocks = blocks.contiguous()
@@ -210,7 +223,8 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     arrivals = arrival_counters("quant_gemv", MAX_BLOCKS, x.device)  # per row block
     x = x.reshape(rows, cols).contiguous()
     is_integer = integer(ggml_type, x.dtype)
-    q, scales, sums = int8_rows.quantized_rows(x) if is_integer else (x, x, x)
+    q, scales, sums = (rows8 or int8_rows.quantized_rows(x)) if is_integer else (x, x, x)
+    out_rows = out.view(-1, n)  # rows at one stride (a column slice's too)
     # a programmatic dependent launch (pdl.py), on the integer path (timed there; the exact path was not)
     dependent = pdl.dependent(x.device) and is_integer
     # Hopper's bulk copies for the integer path's weight bytes (int8_rows.q4k_step): rows of whole 16-byte units
@@ -220,7 +234,7 @@ def _launch(x, blocks, ggml_type, cols, bias, tile: Tiling, upcast: bool, slices
     quants = TensorDescriptor.from_tensor(blocks, [tile.block_n, 32]) if tma else blocks
     _quant_gemv[(row_blocks, count)](
         x, q, scales, sums, blocks, heads, quants, blocks.view(torch.float16),
-        blocks if bias is None else bias.contiguous(), out, partial, arrivals, rows, n,
+        blocks if bias is None else bias.contiguous(), out_rows, out_rows.stride(0), partial, arrivals, rows, n,
         COLS=cols, FMT=ggml_type, QK=qk, BLOCK_BYTES=nbytes, NB=nb, STEPS=steps, SPAN=per, SLICES=count,
         INTEGER=is_integer, EMULATE=INTERPRETED, TMA=tma, GDC=dependent, HAS_BIAS=bias is not None, UPCAST=upcast,
         IEEE=x.dtype == torch.float32,
@@ -433,14 +447,14 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
+    def _finish(acc, bias, out, out_stride, rows, n, r, outs, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
         if HAS_BIAS:
             acc += tl.load(bias + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out + r[:, None] * n + outs[None, :], _to_nearest(acc, ROUND).to(out.dtype.element_ty),
+        tl.store(out + r[:, None] * out_stride + outs[None, :], _to_nearest(acc, ROUND).to(out.dtype.element_ty),
                  mask=(r < rows)[:, None] & (outs < n)[None, :])
 
     @triton.jit(do_not_specialize=["rows"])  # one binary for 1-16 rows: a row's result is the same
-    def _quant_gemv(x, q, scales, sums, blocks, heads, quants, half, bias, out, partial, arrivals, rows, n,
+    def _quant_gemv(x, q, scales, sums, blocks, heads, quants, half, bias, out, out_stride, partial, arrivals, rows, n,
                     COLS: tl.constexpr, FMT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                     NB: tl.constexpr, STEPS: tl.constexpr, SPAN: tl.constexpr, SLICES: tl.constexpr,
                     INTEGER: tl.constexpr, EMULATE: tl.constexpr, TMA: tl.constexpr, GDC: tl.constexpr,
@@ -477,7 +491,7 @@ if triton is not None:
         if GDC:  # the next kernel may be placed now (it waits for this one's end before it reads)
             tl.extra.cuda.gdc_launch_dependents()
         if SLICES == 1:
-            _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS, ROUND)
+            _finish(acc, bias, out, out_stride, rows, n, r, outs, HAS_BIAS, ROUND)
         else:  # park this slice's sums; the row block's last slice to arrive adds them in slice order
             tile = (r < rows)[:, None] & live[None, :]
             tl.store(partial + (piece * rows + r[:, None]) * n + outs[None, :], acc, mask=tile)
@@ -488,4 +502,4 @@ if triton is not None:
                     acc += tl.load(partial + (j * rows + r[:, None]) * n + outs[None, :], mask=tile, other=0.0,
                                    cache_modifier=".cg")
                 tl.atomic_xchg(arrivals + block, 0)  # ready for the next call
-                _finish(acc, bias, out, rows, n, r, outs, HAS_BIAS, ROUND)
+                _finish(acc, bias, out, out_stride, rows, n, r, outs, HAS_BIAS, ROUND)

@@ -67,13 +67,15 @@ def tap(x: torch.Tensor | Pending, next_norm: nn.Module):
     return total, Pending(x.residual, x.delta, total)
 
 
-def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_norm(norm: RMSNorm, x: torch.Tensor | Pending, rows8: tuple[torch.Tensor, ...] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, normed) by the Triton kernel (layer_ops.add_rms_norm) of a layer input that is one
-    tensor or a fused layer's Pending output: the pending add runs inside the norm's kernel."""
+    tensor or a fused layer's Pending output: the pending add runs inside the norm's kernel, and where
+    rows8 (QuantizedWeight.int8_buffers) is given, the normed rows' int8 form too."""
     from ..kernels.layer_ops import add_rms_norm  # imports Triton: only where it is used
 
     residual, delta, total = _parts(x)
-    return add_rms_norm(residual, delta, norm.weight, norm.eps, total, norm.offset)
+    return add_rms_norm(residual, delta, norm.weight, norm.eps, total, norm.offset, rows8)
 
 
 def _parts(x: torch.Tensor | Pending) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -88,9 +90,10 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor, 
     kernel and torch's GEMM. A quantized weight projects after fused_norm's kernel (QuantizedWeight.project)."""
     from ..kernels import gemv  # imports Triton: only where it is used
 
-    if isinstance(weight, QuantizedWeight):
-        residual, hidden = fused_norm(norm, x)
-        return residual, weight.project(hidden, bias, kernels=True)
+    if isinstance(weight, QuantizedWeight):  # the norm's kernel quantizes the rows to int8 for the projection
+        rows8 = weight.int8_buffers(_parts(x)[0])
+        residual, hidden = fused_norm(norm, x, rows8)
+        return residual, weight.project(hidden, bias, kernels=True, rows8=rows8)
     residual, delta, total = _parts(x)
     if not gemv.fits(residual, weight, tiling):
         residual, hidden = fused_norm(norm, x)
@@ -98,14 +101,14 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor | Pending, weight: torch.Tensor, 
     return gemv.norm_linear(residual, delta, norm.weight, norm.eps, weight, bias, total, tiling, norm.offset)
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig | None
-                ) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig | None,
+                rows8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """x @ weight.T + bias: with the kernels on, for a decode or verify step's few rows kernels/gemv.py
     linear, which gives a row the same bits whatever the number of rows (cuBLAS picks other kernels for 1
     and 16 rows, so a verify step would round its tokens unlike decode steps); else torch's GEMM. A
-    quantized weight projects itself (QuantizedWeight.project)."""
+    quantized weight projects itself (QuantizedWeight.project; rows8: x's int8 form, written already)."""
     if isinstance(weight, QuantizedWeight):
-        return weight.project(x, bias, kernels is not None)
+        return weight.project(x, bias, kernels is not None, rows8)
     if kernels is not None:
         from ..kernels import gemv  # imports Triton: only where it is used
 
@@ -344,10 +347,11 @@ class MLP(nn.Module):
         """gate and up as one GEMM (fuse_linears); trained modules (the drafter in training) stay unfused."""
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj, transposed=transposed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """rows8: x's int8 form for a quantized gate/up (QuantizedWeight.int8_buffers), written already."""
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.activated_down(linear_rows(x, *self.gate_up, self.kernels))
+        return self.activated_down(linear_rows(x, *self.gate_up, self.kernels, rows8))
 
     def activated_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down_proj(silu(gate) * up) of the gate/up projection's output [..., 2I] (gate first): on the Triton
@@ -365,8 +369,9 @@ class MLP(nn.Module):
         from ..kernels.layer_ops import silu_mul
 
         weight, bias = self.down_proj.weight, self.down_proj.bias
-        if isinstance(weight, QuantizedWeight):
-            return weight.project(silu_mul(gate_up), bias, kernels=True)
+        if isinstance(weight, QuantizedWeight):  # silu_mul's kernel quantizes the rows to int8 for the projection
+            rows8 = weight.int8_buffers(gate_up[..., : weight.cols])
+            return weight.project(silu_mul(gate_up, rows8), bias, kernels=True, rows8=rows8)
         if gemv.fits(gate_up, weight, tiling):
             return gemv.silu_linear(gate_up, weight, bias, tiling)
         return self.down_proj(silu_mul(gate_up))

@@ -181,13 +181,23 @@ class SharedExpertMoe(SparseMoe):
             return
         self.inputs = fuse_linears(*members, transposed=lambda weight: False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts add the shared expert's part (Experts.forward: on the kernels, in their last one)."""
+    def int8_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Where the norm before the block writes its output's int8 form for the shared expert's quantized input
+        projections (QuantizedWeight.int8_buffers), which then share it; None where they take none."""
+        weight = self.shared_expert.gate_up[0] if self.shared_expert.gate_up else None
+        if self.inputs is not None or not isinstance(weight, QuantizedWeight):
+            return None
+        return weight.int8_buffers(x)
+
+    def forward(self, x: torch.Tensor, rows8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """The routed experts add the shared expert's part (Experts.forward: on the kernels, in their last one).
+        rows8: x's int8 form (int8_buffers), written already."""
         flat = x.reshape(-1, x.shape[-1])
         if self.inputs is None:
             experts, weights = self._route(flat)
-            logits = linear_rows(flat, self.shared_expert_gate.weight, self.shared_expert_gate.bias, self.kernels)
-            shared = self.shared_expert(flat)
+            gate = self.shared_expert_gate
+            logits = linear_rows(flat, gate.weight, gate.bias, self.kernels, rows8)
+            shared = self.shared_expert(flat, rows8)
         else:
             inner, count = self.shared_expert.down_proj.weight.shape[1], self.gate.weight.shape[0]
             gate_up, router_logits, logits = linear_rows(flat, *self.inputs, self.kernels).split(
@@ -240,8 +250,9 @@ class DecoderLayer(nn.Module):
             x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, mixed), *self.mlp.gate_up,
                                      tiling=tiling)
             return Pending(x, self.mlp.down(gate_up, tiling))
-        x, h = fused_norm(self.post_attention_layernorm, Pending(x, mixed))
-        return Pending(x, self.mlp(h))
+        rows8 = self.mlp.int8_buffers(x)  # the norm's kernel quantizes its output for the shared expert
+        x, h = fused_norm(self.post_attention_layernorm, Pending(x, mixed), rows8)
+        return Pending(x, self.mlp(h, rows8))
 
     def _mix(self, h: torch.Tensor, step: Step) -> torch.Tensor:
         """The token mixer's output: the DeltaNet's or attention's."""

@@ -88,21 +88,44 @@ class QuantizedWeight(nn.Module):
             row += blocks.shape[0]
         return QuantizedWeight(parts, self.cols, self.dtype, self.columns)
 
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None, kernels: bool,
+                rows8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """x @ weight.T + bias: the Triton kernel for a step's few rows on CUDA (or with `kernels`, the
-        layer's kernels being on), else dequantized slices and torch's GEMM."""
+        layer's kernels being on), else dequantized slices and torch's GEMM. On the kernel, the parts write
+        their columns of one output, and the rows are quantized to int8 once for the parts that take them
+        (quant_gemv.integer), unless `rows8` (int8_buffers) holds them already, written by the kernel before."""
         if self.file_order is not None:
             x = x.index_select(-1, self.file_order)
-        outs = None
         if kernels or x.is_cuda:
             from ..kernels import quant_gemv  # imports Triton: only where it is used
 
             if quant_gemv.fits(x):
-                outs = [quant_gemv.linear(x, blocks, fmt.ggml_type, self.cols) for fmt, blocks in self.parts]
-        if outs is None:
-            outs = [_dequantized_linear(x, fmt, blocks) for fmt, blocks in self.parts]
+                out = torch.empty((*x.shape[:-1], self.shape[0]), dtype=x.dtype, device=x.device)
+                rows8 = rows8 or quant_gemv.quantized_rows_for(x, self.ggml_types)
+                row = 0
+                for fmt, blocks in self.parts:
+                    n = blocks.shape[0]
+                    quant_gemv.linear(x, blocks, fmt.ggml_type, self.cols, rows8=rows8, out=out[..., row : row + n])
+                    row += n
+                return out if bias is None else out + bias
+        outs = [_dequantized_linear(x, fmt, blocks) for fmt, blocks in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out + bias
+
+    def int8_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Where the kernel that makes x, a projection's input on the kernels (the norm before it, or SiLU * up),
+        writes x's rows quantized to int8 as well (int8_rows.row_buffers), so that `project` need not quantize
+        them: where a part takes int8 rows and x is in the model's column order. None elsewhere."""
+        from ..kernels import int8_rows, quant_gemv  # imports Triton: only where it is used
+
+        if self.file_order is not None or not quant_gemv.fits(x) or not any(
+                quant_gemv.integer(t, x.dtype) for t in self.ggml_types):
+            return None
+        return int8_rows.row_buffers(x.shape[-1], x.device)
+
+    @property
+    def ggml_types(self) -> list[int]:
+        return [fmt.ggml_type for fmt in self.formats]
 
     @staticmethod
     def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
