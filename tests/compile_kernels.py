@@ -169,6 +169,7 @@ def hybrid_kernels():
     out, _ = delta_rule.recurrent(q, k, v, g, beta, state, out_dtype=bf16, final=state)
     delta_rule.state_after(k, v, g, beta, state, torch.zeros((), dtype=torch.int64), torch.zeros_like(state))
     row_norm(out, GATED_RMS, 1e-6, torch.ones(dv, dtype=bf16), z.view(1, t, hv, dv))
+    row_norm(out, GATED_RMS, 1e-6, torch.ones(dv, dtype=bf16), z.view(1, t, hv, dv), torch.arange(hv))  # GGUF order
     x = torch.zeros(t, 2048, dtype=bf16)
     add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, offset=True)
     norm_linear(x, x, torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(proj.shape[-1], 2048, dtype=bf16), offset=True)

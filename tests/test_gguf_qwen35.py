@@ -215,6 +215,7 @@ def test_q8_0_file_kept_quantized_matches_its_dequantized_load(tmp_path, monkeyp
     quantized = {name for name, m in kept.named_modules() if isinstance(m, QuantizedWeight)}
     assert "model.layers.0.linear_attn.out_proj.weight" in quantized
     assert kept.get_submodule("model.layers.0.linear_attn.out_proj.weight").columns is not None
+    assert kept.get_submodule("model.layers.0.linear_attn").out_order is not None  # the norm writes file order
     assert "model.layers.3.self_attn.q_proj.weight" in quantized
     assert kept.weight_bytes() < dense.weight_bytes() / 2
     if kind == "moe":

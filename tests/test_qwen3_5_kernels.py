@@ -104,3 +104,26 @@ def test_a_quantized_moe_target_verifies_each_token_as_decode_steps():
         alone = model(ids[:, PROMPT + i : PROMPT + i + 1], positions[i : i + 1], caches[1], SPAN, capture=(1,),
                       logits="none")[1]
         assert torch.equal(alone, block[:, i : i + 1]), i
+
+
+def test_a_gguf_targets_deltanet_norm_writes_the_output_projections_order(tmp_path, monkeypatch):
+    """A Q8_0 qwen35 GGUF kept in blocks, on the kernels: the gated norm writes its heads in the file's column
+    order of the output projection (GatedDeltaNet.out_order, layer_ops.row_norm's order), which then gathers
+    nothing, and the logits are the dequantized load's."""
+    from test_gguf_qwen35 import random_hf_model, write_gguf
+
+    from deepflash.loading.targets import load_target
+
+    monkeypatch.setenv("DEEPFLASH_CACHE", str(tmp_path / "cache"))
+    write_gguf(tmp_path / "tiny.gguf", random_hf_model("dense"), "qwen35", q8_0=True)
+    dense, _ = load_target(str(tmp_path / "tiny.gguf"), gguf_weights="dequantized")
+    kept, _ = load_target(str(tmp_path / "tiny.gguf"), gguf_weights="quantized")
+    kept = kept.to(DEVICE).use_kernels("triton")
+    assert kept.model.layers[0].linear_attn.out_order is not None
+    tokens = torch.randint(5, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = dense(tokens, torch.arange(12), dense.new_cache(1, 64))[0][:, -4:]
+        cache = kept.new_cache(1, 64)
+        kept(tokens[:, :8].to(DEVICE), torch.arange(8, device=DEVICE), cache, logits="none")
+        logits = kept(tokens[:, 8:].to(DEVICE), torch.arange(8, 12, device=DEVICE), cache, 32)[0]
+    torch.testing.assert_close(logits.cpu(), expected, rtol=1e-4, atol=1e-4)

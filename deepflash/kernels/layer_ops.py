@@ -44,7 +44,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
 
 
 def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor | None = None,
-             gate: torch.Tensor | None = None) -> torch.Tensor:
+             gate: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """A norm over the last dim, each row in one program that reduces its whole row in one block: a row's
     result is the same bit for bit whatever the number of rows, where torch's reductions pick another
     strategy for 1 and 16 rows on CUDA (a verify step must normalise each token as a decode step does).
@@ -52,15 +52,18 @@ def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor | None
     Qwen3.5's norms), L2 (x * rsqrt(sum(x^2) + eps), no weight), GATED_RMS (x * rsqrt(mean(x^2) + eps)
     rounded to x's dtype, times weight rounded again, times silu(gate): the DeltaNet's GatedRMSNorm, in its
     rounding order). The gate may be a slice of a wider tensor (the DeltaNet's fused input projection):
-    rows of whole heads [..., heads, width], heads of unit stride within a row, rows at any stride."""
+    rows of whole heads [..., heads, width], heads of unit stride within a row, rows at any stride. order
+    (int64 [heads], with a gate): the output's head j of a token is the norm of its head order[j] (the heads
+    in the column order of a GGUF file's projection after: QuantizedWeight.file_order)."""
     width = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
     block = triton.next_power_of_2(width)
     gate_rows, heads = _head_rows(x if gate is None else gate)
-    _row_norm[(x.numel() // width,)](x, x if weight is None else weight, gate_rows, out, width, heads,
-                                     gate_rows.stride(0), eps, BLOCK=block, MODE=mode,
-                                     num_warps=min(max(block // 256, 4), 8))
+    assert order is None or (gate is not None and order.shape == (heads,)), (None if order is None else order.shape)
+    _row_norm[(x.numel() // width,)](x, x if weight is None else weight, gate_rows, out, x if order is None else order,
+                                     width, heads, gate_rows.stride(0), eps, BLOCK=block, MODE=mode,
+                                     ORDERED=order is not None, num_warps=min(max(block // 256, 4), 8))
     return out
 
 
@@ -116,12 +119,15 @@ if triton is not None:
                             COLS)
 
     @triton.jit
-    def _row_norm(x, weight, gate, out, width, heads, gate_stride, eps, BLOCK: tl.constexpr, MODE: tl.constexpr):
-        row = tl.program_id(0)
+    def _row_norm(x, weight, gate, out, order, width, heads, gate_stride, eps, BLOCK: tl.constexpr,
+                  MODE: tl.constexpr, ORDERED: tl.constexpr):
+        out_row = tl.program_id(0)
+        row = out_row  # the input row it normalises
+        if ORDERED:
+            row = (out_row // heads) * heads + tl.load(order + out_row % heads).to(tl.int32)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
-        offsets = row * width + cols
-        s = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
+        s = tl.load(x + row * width + cols, mask=inside, other=0.0).to(tl.float32)
         squares = tl.sum(s * s, axis=0)
         if MODE == 1:  # L2
             s = s * (1.0 / tl.sqrt(squares + eps))
@@ -135,7 +141,7 @@ if triton is not None:
                 gate_at = (row // heads).to(tl.int64) * gate_stride + (row % heads) * width + cols
                 g = tl.load(gate + gate_at, mask=inside, other=0.0).to(tl.float32)
                 s = s * (g / (1.0 + tl.exp(-g)))
-        tl.store(out + offsets, s.to(out.dtype.element_ty), mask=inside)
+        tl.store(out + out_row * width + cols, s.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _silu_mul(gate_up, out, q, scales, sums, width, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,

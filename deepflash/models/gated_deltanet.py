@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.config import KernelConfig
+from ..quant.weight import QuantizedWeight
 from .config import ModelConfig
 from .delta_rule import chunked_form, fla_available, fla_form, recurrent_form, state_after_prefix
 from .layers import fuse_linears, linear_rows, read_by_torch_gemm
@@ -68,16 +69,18 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.kernels: KernelConfig | None = None  # Triton's row-invariant norm, else torch's (use_kernels)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """x, gate [..., heads, dim]; order [heads]: the output's head j is head order[j]'s (layer_ops.row_norm)."""
         if self.kernels is not None:
             from ..kernels import layer_ops  # imports Triton: only where it is used
 
             if x.dtype in layer_ops.NORM_DTYPES:  # one program per row: a verify step's rows as decode's
-                return layer_ops.row_norm(x, layer_ops.GATED_RMS, self.eps, self.weight, gate)
+                return layer_ops.row_norm(x, layer_ops.GATED_RMS, self.eps, self.weight, gate, order)
         dtype = x.dtype
         x = x.float()
         x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (x * F.silu(gate.float())).to(dtype)
+        out = (x * F.silu(gate.float())).to(dtype)
+        return out if order is None else out.index_select(-2, order)
 
 
 def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -109,13 +112,17 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(shape.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(shape.value_width, hidden, bias=False)
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse_projections
+        self.out_order: torch.Tensor | None = None  # set by fuse_projections
         self.kernels: KernelConfig | None = None  # Triton's for decode and verify steps, else torch's (use_kernels)
 
     def fuse_projections(self, transposed=read_by_torch_gemm) -> None:
         """The four input projections as one GEMM (layers.fuse_linears; done when the model is built): a decode
-        step's DeltaNet layer is bound by its kernel launches (kernels/delta_inputs.py)."""
+        step's DeltaNet layer is bound by its kernel launches (kernels/delta_inputs.py). And where a GGUF file
+        orders the output projection's input heads otherwise, that order for the norm to write them in."""
         self.in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a,
                                     transposed=transposed)
+        weight = self.out_proj.weight
+        self.out_order = weight.head_order(self.shape.value_dim) if isinstance(weight, QuantizedWeight) else None
 
     def forward(self, x: torch.Tensor, cache, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H]; live [B, T] is False on left padding, whose zero inputs leave the state at zero."""
@@ -142,8 +149,10 @@ class GatedDeltaNet(nn.Module):
             out = self._kernel_step(qkv, beta, a, cache)
         else:
             out = self._torch_step(qkv, beta, a, cache).to(qkv.dtype)
-        out = self.norm(out, z.view(b, t, s.value_heads, s.value_dim))
-        return self._project(self.out_proj, out.reshape(b, t, -1))
+        out = self.norm(out, z.view(b, t, s.value_heads, s.value_dim), self.out_order).reshape(b, t, -1)
+        if self.out_order is not None:  # the norm wrote the heads in the file's order: no gather before the GEMV
+            return self.out_proj.weight.project(out, self.out_proj.bias, self.kernels is not None, in_file_order=True)
+        return self._project(self.out_proj, out)
 
     def _project(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """proj(x), on kernels/gemv.py for a step's few rows when the kernels are on (layers.linear_rows)."""

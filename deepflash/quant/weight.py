@@ -89,12 +89,13 @@ class QuantizedWeight(nn.Module):
         return QuantizedWeight(parts, self.cols, self.dtype, self.columns)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None, kernels: bool,
-                rows8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                rows8: tuple[torch.Tensor, ...] | None = None, in_file_order: bool = False) -> torch.Tensor:
         """x @ weight.T + bias: the Triton kernel for a step's few rows on CUDA (or with `kernels`, the
         layer's kernels being on), else dequantized slices and torch's GEMM. On the kernel, the parts write
         their columns of one output, and the rows are quantized to int8 once for the parts that take them
-        (quant_gemv.integer), unless `rows8` (int8_buffers) holds them already, written by the kernel before."""
-        if self.file_order is not None:
+        (quant_gemv.integer), unless `rows8` (int8_buffers) holds them already, written by the kernel before.
+        in_file_order: x's columns come in the file's order already (head_order), not the model's."""
+        if self.file_order is not None and not in_file_order:
             x = x.index_select(-1, self.file_order)
         if kernels or x.is_cuda:
             from ..kernels import quant_gemv  # imports Triton: only where it is used
@@ -122,6 +123,17 @@ class QuantizedWeight(nn.Module):
                 quant_gemv.integer(t, x.dtype) for t in self.ggml_types):
             return None
         return int8_rows.row_buffers(x.shape[-1], x.device)
+
+    def head_order(self, width: int) -> torch.Tensor | None:
+        """Where the file's column order moves whole groups of `width` columns (the DeltaNet's value heads), which
+        group of the model's order each of the file's takes (int64 [cols / width]), so that the kernel making
+        the input can write it in the file's order (layer_ops.row_norm); else None. Reads the order on the host."""
+        if self.file_order is None or self.cols % width:
+            return None
+        groups = self.file_order.view(-1, width)
+        order = groups[:, 0] // width
+        whole = order[:, None] * width + torch.arange(width, device=order.device)
+        return order if torch.equal(groups, whole) else None
 
     @property
     def ggml_types(self) -> list[int]:
