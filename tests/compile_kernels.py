@@ -144,12 +144,12 @@ def model_kernels():
 def hybrid_kernels():
     """The Qwen3.5 / Qwen3.6 kernels at Qwen3.6-35B-A3B's widths in bf16, 16 tokens (1-16: one binary each),
     launched as dependents (pdl.py) as on a Hopper GPU."""
-    from deepflash.kernels import delta_rule, int8_rows, pdl, quant_gemv
+    from deepflash.kernels import delta_rule, int8_rows, pdl, quant_gemv, quant_moe
     from deepflash.kernels.attention import decode_attention
     from deepflash.kernels.delta_inputs import delta_inputs
     from deepflash.kernels.gemv import norm_linear
     from deepflash.kernels.layer_ops import GATED_RMS, add_rms_norm, row_norm, silu_mul
-    from deepflash.kernels.moe import combine
+    from deepflash.kernels.moe import routed_experts
     from deepflash.kernels.rope import rope_and_write
     from deepflash.kernels.router import route
 
@@ -183,7 +183,13 @@ def hybrid_kernels():
         blocks = torch.zeros(512, quant_gemv.row_bytes(kind, 2048), dtype=torch.uint8)
         quant_gemv.linear(x, blocks, kind, 2048, rows8=rows8, out=out[:, first : first + 512])
     experts, _ = route(torch.zeros(t, 256, dtype=bf16), 8, True, bf16)
-    combine(torch.zeros(t * 8, 2048, dtype=f32), x, 8, (x, torch.zeros(t, 257, dtype=bf16)[:, 256:]))
+    # routed experts at Qwen3.6-35B-A3B's widths (8 experts of its 256) with its shared expert's part
+    routed_experts(x, experts, torch.zeros(t, 8, dtype=bf16), torch.zeros(8, 1024, 2048, dtype=bf16),
+                   torch.zeros(8, 2048, 512, dtype=bf16), (x, torch.zeros(t, 257, dtype=bf16)[:, 256:]))
+    gate = torch.zeros(8, 512, quant_gemv.row_bytes(12, 2048), dtype=torch.uint8)  # Q4_K_M's experts
+    down = torch.zeros(8, 2048, quant_gemv.row_bytes(14, 512), dtype=torch.uint8)
+    quant_moe.routed_experts(x, experts, torch.zeros(t, 8, dtype=bf16), gate, gate, down, (12, 12, 14),
+                             (x, torch.zeros(t, 1, dtype=bf16)))
     # gated attention: 16 query heads of 256 with their gates, 2 kv heads, a rotary width of 64
     heads, kv_heads, dim = 16, 2, 256
     qkv = torch.zeros(1, t, (2 * heads + 2 * kv_heads) * dim, dtype=bf16)

@@ -17,7 +17,7 @@ from .triton_support import tl, triton
 
 SILU_BLOCK = 1024  # values of a row per silu_mul program
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # row_norm's inputs; float64 keeps torch's forms
-OFFSET_RMS, L2, GATED_RMS = 0, 1, 2  # row_norm's modes
+OFFSET_RMS, GATED_RMS = 0, 2  # row_norm's modes
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -43,13 +43,13 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     return total, normed
 
 
-def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor | None = None,
+def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor,
              gate: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """A norm over the last dim, each row in one program that reduces its whole row in one block: a row's
     result is the same bit for bit whatever the number of rows, where torch's reductions pick another
     strategy for 1 and 16 rows on CUDA (a verify step must normalise each token as a decode step does).
     In float32, rounded to x's dtype at the end. Modes: OFFSET_RMS (x * rsqrt(mean(x^2) + eps) * (1 + weight):
-    Qwen3.5's norms), L2 (x * rsqrt(sum(x^2) + eps), no weight), GATED_RMS (x * rsqrt(mean(x^2) + eps)
+    Qwen3.5's norms), GATED_RMS (x * rsqrt(mean(x^2) + eps)
     rounded to x's dtype, times weight rounded again, times silu(gate): the DeltaNet's GatedRMSNorm, in its
     rounding order). The gate may be a slice of a wider tensor (the DeltaNet's fused input projection):
     rows of whole heads [..., heads, width], heads of unit stride within a row, rows at any stride. order
@@ -61,7 +61,7 @@ def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor | None
     block = triton.next_power_of_2(width)
     gate_rows, heads = _head_rows(x if gate is None else gate)
     assert order is None or (gate is not None and order.shape == (heads,)), (None if order is None else order.shape)
-    _row_norm[(x.numel() // width,)](x, x if weight is None else weight, gate_rows, out, x if order is None else order,
+    _row_norm[(x.numel() // width,)](x, weight, gate_rows, out, x if order is None else order,
                                      width, heads, gate_rows.stride(0), eps, BLOCK=block, MODE=mode,
                                      ORDERED=order is not None, num_warps=min(max(block // 256, 4), 8))
     return out
@@ -128,19 +128,15 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         inside = cols < width
         s = tl.load(x + row * width + cols, mask=inside, other=0.0).to(tl.float32)
-        squares = tl.sum(s * s, axis=0)
-        if MODE == 1:  # L2
-            s = s * (1.0 / tl.sqrt(squares + eps))
-        else:
-            s = s * (1.0 / tl.sqrt(squares / width + eps))
-            w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
-            if MODE == 0:  # OFFSET_RMS
-                s = s * (1.0 + w)
-            else:  # GATED_RMS: rounded to the dtype before and after the weight, as GatedRMSNorm does
-                s = (w * s.to(out.dtype.element_ty).to(tl.float32)).to(out.dtype.element_ty).to(tl.float32)
-                gate_at = (row // heads).to(tl.int64) * gate_stride + (row % heads) * width + cols
-                g = tl.load(gate + gate_at, mask=inside, other=0.0).to(tl.float32)
-                s = s * (g / (1.0 + tl.exp(-g)))
+        s = s * (1.0 / tl.sqrt(tl.sum(s * s, axis=0) / width + eps))
+        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        if MODE == 0:  # OFFSET_RMS
+            s = s * (1.0 + w)
+        else:  # GATED_RMS: rounded to the dtype before and after the weight, as GatedRMSNorm does
+            s = (w * s.to(out.dtype.element_ty).to(tl.float32)).to(out.dtype.element_ty).to(tl.float32)
+            gate_at = (row // heads).to(tl.int64) * gate_stride + (row % heads) * width + cols
+            g = tl.load(gate + gate_at, mask=inside, other=0.0).to(tl.float32)
+            s = s * (g / (1.0 + tl.exp(-g)))
         tl.store(out + out_row * width + cols, s.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit

@@ -5,7 +5,7 @@ or hand F.grouped_mm the pairs sorted by expert (bf16 on Hopper and Blackwell on
 expert's weights are read once per step, however many of the block's tokens route to it, and nothing
 runs before the kernels to group the pairs: each program finds its group itself.
 
-Three kernels, each over the step's n * k (token, slot) pairs and a block of columns. The program of an
+Two kernels, each over the step's n * k (token, slot) pairs and a block of columns. The program of an
 expert's first pair (token-major order) does that expert's work; the programs of its other pairs return
 at once. A program compares its expert with the step's routed ids (at most 16 x k), which gives the
 tokens routed to it: a tile of 16 rows indexed by token, since a token routes to an expert at most once.
@@ -13,8 +13,9 @@ tokens routed to it: a tile of 16 rows indexed by token, since a token routes to
    dtype (as the torch forms round the activation before the down projection), into each pair's row of
    `hidden`.
 2. _down: each pair's hidden row @ Wd.T times its routing weight, in float32, into the pair's row of
-   `partial`.
-3. _combine: each token's k partial rows summed in slot order, rounded once to x's dtype.
+   `partial`; then (_settle) the program that stores a token's last pair for a column block sums the token's
+   k partial rows in slot order, rounded once to x's dtype (plus a shared expert's gated output where there
+   is one), counting arrivals as gemv.py's split reductions do: no third kernel to combine them.
 
 A token's result depends only on its own row and routing, bit for bit, not on what the block's other
 tokens route to: tile rows are computed apart and the k-sum has a fixed order, so a verify step computes
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
+from .arrivals import arrival_counters
 from .triton_support import INTERPRETED, tl, triton
 
 MAX_TOKENS = 16  # a verify step's block (the kernels' tile of rows); longer inputs take the torch forms
@@ -38,7 +40,6 @@ BLOCK_I = 32  # intermediate columns per _gate_up program (32 gate and 32 up wei
 BLOCK_H = 32  # output columns per _down program
 BLOCK_K = 128  # reduction step of the tensor-core products
 UPCAST_BLOCK_K = 32  # reduction step of the float32 products: they are a [16, BLOCK, BLOCK_K] tensor
-COMBINE_BLOCK = 1024  # output columns per _combine program
 
 
 def fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -51,7 +52,7 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                    down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum over each token's k experts e of weight * (silu(x @ Wg_e.T) * (x @ Wu_e.T)) @ Wd_e.T, for x [N, H]
     (N <= 16), experts / weights [N, k] (the router's), gate_up [E, 2I, H] (gate rows first) and down
-    [E, H, I]. Returns [N, H] in x's dtype. shared: a shared expert's output and gate logits to add (combine)."""
+    [E, H, I]. Returns [N, H] in x's dtype. shared: a shared expert's output and gate logits to add (_settle)."""
     n, width = x.shape
     top_k, inner = experts.shape[1], down.shape[-1]
     assert fits(x, gate_up, down), (x.shape, x.dtype, gate_up.dtype, down.dtype)
@@ -66,24 +67,19 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     _gate_up[(n * top_k, triton.cdiv(inner, BLOCK_I))](x.contiguous(), experts, gate_up, hidden, n,
                                                        BLOCK_I=BLOCK_I, **shape)
     _down[(n * top_k, triton.cdiv(width, BLOCK_H))](hidden, experts, weights.contiguous(), down, partial, n,
-                                                    BLOCK_H=BLOCK_H, **shape)
-    return combine(partial, out, top_k, shared)
-
-
-def combine(partial: torch.Tensor, out: torch.Tensor, top_k: int,
-            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """out [N, H] = each token's k float32 partial rows [N * k, H] summed in slot order, rounded once to out's
-    dtype (the expert kernels' last step, here and in quant_moe.py). shared: (a shared expert's output [N, H],
-    its gate logits [N, 1] at any row stride): then plus sigmoid(logit) * output, each op rounded to out's
-    dtype as torch rounds it (Qwen3.5's SharedExpertMoe), in the same kernel."""
-    n, width = out.shape
-    dependent = pdl.dependent(out.device)  # a programmatic dependent launch (pdl.py)
-    expert, logits = (out, out) if shared is None else (shared[0].contiguous(), shared[1])
-    _combine[(n, triton.cdiv(width, COMBINE_BLOCK))](partial, out, expert, logits, logits.stride(0), WIDTH=width,
-                                                     TOP_K=top_k, BLOCK=COMBINE_BLOCK, SHARED=shared is not None,
-                                                     ROUND=INTERPRETED and out.dtype == torch.bfloat16,
-                                                     GDC=dependent, launch_pdl=dependent)
+                                                    *settling(out, shared, BLOCK_H), BLOCK_H=BLOCK_H, **shape)
     return out
+
+
+def settling(out: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None, block: int) -> tuple:
+    """The arguments of _down's last step (_settle, here and in quant_moe.py) after its own: out, the shared
+    expert's output and gate logits (or placeholders), the logits' row stride, the arrival counters [16, column
+    blocks of `block`], and the SHARED and ROUND constexprs."""
+    blocks = triton.cdiv(out.shape[-1], block)
+    expert, logits = (out, out) if shared is None else (shared[0].contiguous(), shared[1])
+    counters = arrival_counters("moe_down", 16 * blocks, out.device)
+    return (out, expert, logits, logits.stride(0), counters, shared is not None,
+            INTERPRETED and out.dtype == torch.bfloat16)
 
 
 def routed_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -151,7 +147,8 @@ if triton is not None:
                      mask=routed[:, None] & (cols < INNER)[None, :])
 
     @triton.jit(do_not_specialize=["n"])
-    def _down(hidden, experts, weights, down, partial, n, WIDTH: tl.constexpr, INNER: tl.constexpr,
+    def _down(hidden, experts, weights, down, partial, n, out, shared, logits, logit_stride, arrivals,
+              SHARED: tl.constexpr, ROUND: tl.constexpr, WIDTH: tl.constexpr, INNER: tl.constexpr,
               TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
               UPCAST: tl.constexpr, GDC: tl.constexpr):
         if GDC:
@@ -173,26 +170,36 @@ if triton is not None:
             scale = tl.load(weights + pairs, mask=routed, other=0.0).to(tl.float32)
             tl.store(partial + pairs[:, None] * WIDTH + cols[None, :], acc * scale[:, None],
                      mask=routed[:, None] & (cols < WIDTH)[None, :])
+            _settle(partial, out, shared, logits, logit_stride, arrivals, routed, cols, WIDTH, TOP_K, BLOCK_H, SHARED,
+                    ROUND)
 
     @triton.jit
-    def _combine(partial, out, shared, logits, logit_stride, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
-                 BLOCK: tl.constexpr, SHARED: tl.constexpr, ROUND: tl.constexpr, GDC: tl.constexpr):
-        """Each token's k float32 partial rows summed in slot order, rounded once to out's dtype (to nearest in the
-        interpreter too: ROUND, quant_gemv._to_nearest); SHARED: plus sigmoid(logit) * shared (combine)."""
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()  # a few loads per program: nothing long to wait for
-        token = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < WIDTH
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for slot in tl.static_range(TOP_K):  # slot order: a token's sum never depends on the other tokens
-            total += tl.load(partial + (token * TOP_K + slot) * WIDTH + cols, mask=inside, other=0.0)
-        if SHARED:
-            dtype = out.dtype.element_ty
-            routed = _to_nearest(total, ROUND).to(dtype).to(tl.float32)
-            logit = tl.load(logits + token * logit_stride).to(tl.float32)
-            scale = _to_nearest(1.0 / (1.0 + tl.exp(-logit)), ROUND).to(dtype).to(tl.float32)
-            expert = tl.load(shared + token * WIDTH + cols, mask=inside, other=0.0).to(tl.float32)
-            total = routed + _to_nearest(scale * expert, ROUND).to(dtype).to(tl.float32)
-        tl.store(out + token * WIDTH + cols, _to_nearest(total, ROUND).to(out.dtype.element_ty), mask=inside)
+    def _settle(partial, out, shared, logits, logit_stride, arrivals, routed, cols, WIDTH: tl.constexpr,
+                TOP_K: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr, ROUND: tl.constexpr):
+        """After a _down program stored its pairs' partial rows (`routed`: the tile's tokens among them) for the
+        columns `cols`: each such token's arrival counted for this column block; the program bringing a token's
+        count to TOP_K sums the token's k partial rows in slot order, rounded once to out's dtype (to nearest in
+        the interpreter too: ROUND, quant_gemv._to_nearest), and with SHARED adds sigmoid(logit) * shared, each op
+        rounded as torch rounds it (Qwen3.5's SharedExpertMoe). Whichever program arrives last, a token's sum
+        has the same order: it never depends on the other tokens. The counter goes back to 0 for the next call."""
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        t = tl.arange(0, 16)
+        counter = arrivals + t * tl.cdiv(WIDTH, BLOCK) + tl.program_id(1)
+        seen = tl.atomic_add(counter, 1, mask=routed, sem="acq_rel", scope="gpu")
+        last = routed & (seen == TOP_K - 1)
+        if tl.sum(last.to(tl.int32), axis=0) > 0:
+            tile = last[:, None] & (cols < WIDTH)[None, :]
+            total = tl.zeros([16, BLOCK], dtype=tl.float32)
+            for slot in tl.static_range(TOP_K):  # read through L2 (".cg"): other SMs wrote them
+                total += tl.load(partial + (t * TOP_K + slot)[:, None] * WIDTH + cols[None, :], mask=tile, other=0.0,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0, mask=last)
+            if SHARED:
+                dtype = out.dtype.element_ty
+                routed_sum = _to_nearest(total, ROUND).to(dtype).to(tl.float32)
+                logit = tl.load(logits + t * logit_stride, mask=last, other=0.0).to(tl.float32)
+                scale = _to_nearest(1.0 / (1.0 + tl.exp(-logit)), ROUND).to(dtype).to(tl.float32)
+                expert = tl.load(shared + t[:, None] * WIDTH + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+                total = routed_sum + _to_nearest(scale[:, None] * expert, ROUND).to(dtype).to(tl.float32)
+            tl.store(out + t[:, None] * WIDTH + cols[None, :], _to_nearest(total, ROUND).to(out.dtype.element_ty),
+                     mask=tile)

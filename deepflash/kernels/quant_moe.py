@@ -2,15 +2,16 @@
 GGUF-quantized expert weights (Triton): quant/experts.py's place for kernels/moe.py.
 
 llama.cpp stores an expert stack's gate, up and down projections as three uint8 tensors [E, rows, row_bytes],
-possibly of different formats (Q4_K_M: gate and up in Q4_K, down in Q6_K for some layers). The three kernels
+possibly of different formats (Q4_K_M: gate and up in Q4_K, down in Q6_K for some layers). The two kernels
 are moe.py's, over the step's n * k (token, slot) pairs and a block of weight rows, with moe.py's grouping
 (`_group`): the program of an expert's first pair (token-major order) does that expert's work for every token
 routed to it, the programs of its other pairs return at once, so each routed expert's blocks are read once per
 step however many tokens route to it, and nothing runs before the kernels to group the pairs.
 1. _gate_up: silu(x @ Wg.T) * (x @ Wu.T) for the expert's tokens, in float32, rounded to x's dtype into each
    pair's row of `hidden` (gate and up each a loop over their own format's steps).
-2. _down: each pair's hidden row @ Wd.T times its routing weight, in float32, into the pair's row of `partial`.
-3. _combine: each token's k partial rows summed in slot order, rounded once to x's dtype.
+2. _down: each pair's hidden row @ Wd.T times its routing weight, in float32, into the pair's row of `partial`,
+   and (moe._settle) the program storing a token's last pair sums its k partial rows in slot order, rounded once
+   to x's dtype.
 
 The products are quant_gemv.py's: its dequantization helpers (_k_quant for the k-quants' 256-column
 superblocks, _small_blocks for NB 32-column blocks a step) take each weight row's byte offset `at` [BLOCK_N]
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 
 from ..quant.gguf_blocks import FORMATS, dequantize
 from . import pdl, quant_gemv
-from .moe import combine
+from .moe import settling
 from .triton_support import INTERPRETED, tl, triton
 
 MAX_TOKENS = 16  # a verify step's block (the kernels' tile of rows)
@@ -53,7 +54,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 INTERPRETED_BLOCK_N = 128  # weight rows a program in the interpreter (it runs a program at a time: fewer, faster)
 
 if triton is not None:
-    from .moe import _group
+    from .moe import _group, _settle
     from .quant_gemv import _project, _to_nearest
 
 
@@ -85,7 +86,7 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     (N <= 16, bf16 or float32), experts / weights [N, k] (the router's: int64 ids, weights in x's dtype), gate,
     up uint8 [E, I, row_bytes(H)], down uint8 [E, H, row_bytes(I)] in the ggml types `formats` (gate, up, down).
     Returns [N, H] in x's dtype. The ids are not checked against E (that would sync with the host). shared: a
-    shared expert's output and gate logits to add (moe.combine)."""
+    shared expert's output and gate logits to add (moe._settle)."""
     assert fits(x), (x.shape, x.dtype)
     n, width = x.shape
     top_k = experts.shape[1]
@@ -120,10 +121,10 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     block_n, _, warps, stages, weight_first = _tile(kinds[2], x.dtype)
     _down[(n * top_k, triton.cdiv(width, block_n))](
         hidden, experts, weights.contiguous(), down, down.view(torch.float16), partial, n,
-        **_format("D", kinds[2], x.dtype), BLOCK_N=block_n, WEIGHT_FIRST=weight_first and not INTERPRETED,
-        num_warps=warps, num_stages=stages, **common)
-
-    return combine(partial, out, top_k, shared)
+        *settling(out, shared, block_n)[:5], **_format("D", kinds[2], x.dtype), BLOCK_N=block_n,
+        SHARED=shared is not None, WEIGHT_FIRST=weight_first and not INTERPRETED, num_warps=warps,
+        num_stages=stages, **common)
+    return out
 
 
 def reference(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -186,7 +187,8 @@ if triton is not None:
                      _to_nearest(act, ROUND).to(hidden.dtype.element_ty), mask=routed[:, None] & live[None, :])
 
     @triton.jit(do_not_specialize=["n"])
-    def _down(hidden, experts, weights, down, down_half, partial, n, WIDTH: tl.constexpr, INNER: tl.constexpr,
+    def _down(hidden, experts, weights, down, down_half, partial, n, out, shared, logits, logit_stride, arrivals,
+              SHARED: tl.constexpr, WIDTH: tl.constexpr, INNER: tl.constexpr,
               TOP_K: tl.constexpr, SLOTS: tl.constexpr, D_FMT: tl.constexpr, D_QK: tl.constexpr,
               D_BYTES: tl.constexpr, D_NB: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr,
               UPCAST: tl.constexpr, IEEE: tl.constexpr, WEIGHT_FIRST: tl.constexpr, GDC: tl.constexpr):
@@ -205,3 +207,5 @@ if triton is not None:
             scale = tl.load(weights + pairs, mask=routed, other=0.0).to(tl.float32)
             tl.store(partial + pairs[:, None] * WIDTH + outs[None, :], acc * scale[:, None],
                      mask=routed[:, None] & live[None, :])
+            _settle(partial, out, shared, logits, logit_stride, arrivals, routed, outs, WIDTH, TOP_K, BLOCK_N, SHARED,
+                    ROUND)

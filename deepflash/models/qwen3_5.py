@@ -246,13 +246,15 @@ class DecoderLayer(nn.Module):
                 mixed = mixer.mix(mixer.split(projected), step.cache)
             else:
                 mixed = mixer.attend_projected(projected, step)
-        if isinstance(self.mlp, MLP):
-            x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, mixed), *self.mlp.gate_up,
-                                     tiling=tiling)
-            return Pending(x, self.mlp.down(gate_up, tiling))
-        rows8 = self.mlp.int8_buffers(x)  # the norm's kernel quantizes its output for the shared expert
-        x, h = fused_norm(self.post_attention_layernorm, Pending(x, mixed), rows8)
-        return Pending(x, self.mlp(h, rows8))
+        if isinstance(self.mlp, SharedExpertMoe):
+            rows8 = self.mlp.int8_buffers(x)  # the norm's kernel quantizes its output for the shared expert
+            x, h = fused_norm(self.post_attention_layernorm, Pending(x, mixed), rows8)
+            return Pending(x, self.mlp(h, rows8))
+        if self.mlp.gate_up is None:  # unfused
+            x, h = fused_norm(self.post_attention_layernorm, Pending(x, mixed))
+            return Pending(x, self.mlp(h))
+        x, gate_up = norm_linear(self.post_attention_layernorm, Pending(x, mixed), *self.mlp.gate_up, tiling=tiling)
+        return Pending(x, self.mlp.down(gate_up, tiling))
 
     def _mix(self, h: torch.Tensor, step: Step) -> torch.Tensor:
         """The token mixer's output: the DeltaNet's or attention's."""

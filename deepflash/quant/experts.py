@@ -111,5 +111,5 @@ def dequantized(value: torch.Tensor | QuantizedWeight | GateUp | ExpertBlocks, d
 
 def add_shared(out: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """out + sigmoid(logits) * output of a shared expert (output, gate logits): the routed experts' torch forms'
-    last step (layers.Experts, QuantizedExperts; their kernels add it in kernels/moe.py combine)."""
+    last step (layers.Experts, QuantizedExperts; their kernels add it in kernels/moe.py _settle)."""
     return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
