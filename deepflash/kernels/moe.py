@@ -67,19 +67,19 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     _gate_up[(n * top_k, triton.cdiv(inner, BLOCK_I))](x.contiguous(), experts, gate_up, hidden, n,
                                                        BLOCK_I=BLOCK_I, **shape)
     _down[(n * top_k, triton.cdiv(width, BLOCK_H))](hidden, experts, weights.contiguous(), down, partial, n,
-                                                    *settling(out, shared, BLOCK_H), BLOCK_H=BLOCK_H, **shape)
+                                                    *settling(out, shared, BLOCK_H), SHARED=shared is not None,
+                                                    ROUND=INTERPRETED and x.dtype == torch.bfloat16,
+                                                    BLOCK_H=BLOCK_H, **shape)
     return out
 
 
 def settling(out: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None, block: int) -> tuple:
     """The arguments of _down's last step (_settle, here and in quant_moe.py) after its own: out, the shared
-    expert's output and gate logits (or placeholders), the logits' row stride, the arrival counters [16, column
-    blocks of `block`], and the SHARED and ROUND constexprs."""
-    blocks = triton.cdiv(out.shape[-1], block)
+    expert's output and gate logits (or placeholders), the logits' row stride and the arrival counters [16,
+    column blocks of `block`]."""
     expert, logits = (out, out) if shared is None else (shared[0].contiguous(), shared[1])
-    counters = arrival_counters("moe_down", 16 * blocks, out.device)
-    return (out, expert, logits, logits.stride(0), counters, shared is not None,
-            INTERPRETED and out.dtype == torch.bfloat16)
+    counters = arrival_counters("moe_down", 16 * triton.cdiv(out.shape[-1], block), out.device)
+    return out, expert, logits, logits.stride(0), counters
 
 
 def routed_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

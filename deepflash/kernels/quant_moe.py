@@ -121,7 +121,7 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     block_n, _, warps, stages, weight_first = _tile(kinds[2], x.dtype)
     _down[(n * top_k, triton.cdiv(width, block_n))](
         hidden, experts, weights.contiguous(), down, down.view(torch.float16), partial, n,
-        *settling(out, shared, block_n)[:5], **_format("D", kinds[2], x.dtype), BLOCK_N=block_n,
+        *settling(out, shared, block_n), **_format("D", kinds[2], x.dtype), BLOCK_N=block_n,
         SHARED=shared is not None, WEIGHT_FIRST=weight_first and not INTERPRETED, num_warps=warps,
         num_stages=stages, **common)
     return out
