@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .triton_support import tl, triton
 
 SILU_BLOCK = 1024  # values of a row per silu_mul program
@@ -61,9 +62,11 @@ def row_norm(x: torch.Tensor, mode: int, eps: float, weight: torch.Tensor,
     block = triton.next_power_of_2(width)
     gate_rows, heads = _head_rows(x if gate is None else gate)
     assert order is None or (gate is not None and order.shape == (heads,)), (None if order is None else order.shape)
+    dependent = pdl.dependent(x.device)  # a programmatic dependent launch (pdl.py)
     _row_norm[(x.numel() // width,)](x, weight, gate_rows, out, x if order is None else order,
                                      width, heads, gate_rows.stride(0), eps, BLOCK=block, MODE=mode,
-                                     ORDERED=order is not None, num_warps=min(max(block // 256, 4), 8))
+                                     ORDERED=order is not None, GDC=dependent,
+                                     num_warps=min(max(block // 256, 4), 8), launch_pdl=dependent)
     return out
 
 
@@ -120,7 +123,10 @@ if triton is not None:
 
     @triton.jit
     def _row_norm(x, weight, gate, out, order, width, heads, gate_stride, eps, BLOCK: tl.constexpr,
-                  MODE: tl.constexpr, ORDERED: tl.constexpr):
+                  MODE: tl.constexpr, ORDERED: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched as a dependent (pdl.py): wait for the kernel before (the delta rule) and its writes
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # one row a program: nothing long to wait for
         out_row = tl.program_id(0)
         row = out_row  # the input row it normalises
         if ORDERED:
