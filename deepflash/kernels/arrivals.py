@@ -1,5 +1,5 @@
-"""Arrival counters of the split reductions (kernels/gemv.py, kernels/argmax.py): per output, how
-many of its programs have finished. Each program adds 1 when its part is stored; the last to arrive
+"""Arrival counters of the split reductions (kernels/gemv.py, argmax.py, quant_gemv.py, moe.py): per output,
+how many of its programs have finished. Each program adds 1 when its part is stored; the last to arrive
 combines the parts in a fixed order and sets the counter back to 0, so one zeroed array per kernel and
 device serves every call. One per device suffices because a device's steps run one after another on
 its stream (a dependent launch waits for the kernel before it to end, pdl.py)."""
