@@ -74,3 +74,8 @@ def test_a_check_that_raises_is_a_failed_row(monkeypatch, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "qwen3 tiny spec: RuntimeError: operation not permitted when stream is capturing" in printed
     assert "1 of 2 checks failed" in printed
+
+
+def test_logits_seeds_below_one_is_a_user_error(capsys):
+    assert main(["bench", "families", "--device", "cpu", "--size", "tiny", "--logits-seeds", "0"]) == 2
+    assert "--logits-seeds must be at least 1, got 0" in capsys.readouterr().err
